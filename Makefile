@@ -1,0 +1,18 @@
+# The two commands of the README. Each one sets up what it needs first, and
+# is safe to run again: pip skips what is installed, mvn what is in ~/.m2.
+PYTHON ?= python3
+
+.PHONY: setup demo test bench
+
+setup:
+	$(PYTHON) -m pip install -q --disable-pip-version-check -e '.[test]'
+	mvn -q -B -f pom.xml dependency:resolve
+
+demo: setup
+	$(PYTHON) scripts/demo.py
+
+test: setup
+	$(PYTHON) -m pytest -q
+
+bench: setup
+	$(PYTHON) scripts/bench_broker.py --duration 10

@@ -1,0 +1,245 @@
+"""Table definitions in an engine-neutral form.
+
+Types are Spark SQL type names (the narrowest common vocabulary of both engines):
+`bigint`, `int`, `string`, `binary`, `boolean`, `map<string,string>`,
+`map<string,bigint>`. `nullable=False` becomes a Delta NOT NULL column, so
+both writers refuse rows missing a key field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: str
+    nullable: bool = True
+
+
+@dataclass(frozen=True)
+class TableSchema:
+    """A Delta table: its path under the warehouse and its columns."""
+
+    path: str
+    columns: tuple[Column, ...]
+    #: the engine that writes the table (SPEC §2 "one writer engine per table")
+    writer: str = "job"
+
+    @property
+    def names(self) -> list[str]:
+        return [c.name for c in self.columns]
+
+    def column(self, name: str) -> Column:
+        for c in self.columns:
+            if c.name == name:
+                return c
+        raise KeyError(f"{self.path} has no column {name!r}")
+
+
+def _cols(*specs: tuple) -> tuple[Column, ...]:
+    return tuple(Column(*s) for s in specs)
+
+
+# The half row's columns, shared by every table that carries a whole message.
+_MESSAGE = (
+    ("transaction_id", "string", False),
+    ("msg_id", "string", False),
+    ("producer_group", "string", False),
+    ("topic", "string", False),
+    ("queue_id", "int", False),
+    ("tags", "string"),
+    ("keys", "string"),
+    ("body", "binary", False),
+    ("properties", "map<string,string>"),
+    ("born_ms", "bigint", False),
+)
+
+HALF = TableSchema(
+    "_sys/half",
+    _cols(("half_offset", "bigint", False), *_MESSAGE,
+          ("store_ms", "bigint", False), ("check_immunity_s", "int")),
+    writer="broker",
+)
+
+OP = TableSchema(
+    "_sys/op",
+    _cols(
+        ("op_offset", "bigint", False),
+        ("half_offset", "bigint", False),
+        ("transaction_id", "string", False),
+        ("producer_group", "string", False),
+        ("action", "string", False),  # COMMIT | ROLLBACK
+        ("source", "string", False),  # PRODUCER | CHECK | ADMIN
+        ("store_ms", "bigint", False),
+        ("remark", "string"),
+    ),
+    writer="broker",
+)
+
+CHECK_REQUESTS = TableSchema(
+    "_sys/check_requests",
+    _cols(
+        ("request_id", "string", False),
+        ("run_id", "string", False),
+        ("half_offset", "bigint", False),
+        *[c for c in _MESSAGE if c[0] != "born_ms"],
+        ("born_ms", "bigint", False),
+        ("check_times", "int", False),
+        ("requested_ms", "bigint", False),
+    ),
+)
+
+CHECK_ANSWERS = TableSchema(
+    "_sys/check_answers",
+    _cols(
+        ("request_id", "string", False),
+        ("half_offset", "bigint", False),
+        ("transaction_id", "string", False),
+        ("producer_group", "string", False),
+        ("answer", "string", False),  # COMMIT | ROLLBACK | UNKNOWN | ERROR
+        ("answered_ms", "bigint", False),
+        ("error", "string"),
+    ),
+    writer="broker",
+)
+
+DISCARD = TableSchema(
+    "_sys/discard",
+    HALF.columns + _cols(
+        ("check_times", "int", False),
+        ("reason", "string", False),  # MAX_CHECKS | EXPIRED
+        ("discarded_ms", "bigint", False),
+        ("run_id", "string", False),
+    ),
+)
+
+TOPIC = TableSchema(
+    "topics/<topic>",
+    _cols(
+        ("queue_id", "int", False),
+        ("queue_offset", "bigint", False),
+        ("msg_id", "string", False),
+        ("transaction_id", "string", False),
+        ("half_offset", "bigint", False),
+        ("producer_group", "string", False),
+        ("tags", "string"),
+        ("keys", "string"),
+        ("body", "binary", False),
+        ("properties", "map<string,string>"),
+        ("born_ms", "bigint", False),
+        ("commit_ms", "bigint", False),
+        ("delivered_ms", "bigint", False),
+        ("run_id", "string", False),
+    ),
+)
+
+# One row per Broker.open: the version of that commit is the broker's offset
+# epoch (DESIGN-NOTES "unique offsets across processes").
+PRODUCERS = TableSchema(
+    "_sys/producers",
+    _cols(
+        ("broker_id", "string", False),
+        ("host", "string", False),
+        ("pid", "int", False),
+        ("opened_ms", "bigint", False),
+    ),
+    writer="broker",
+)
+
+# --- the job's private state -------------------------------------------------
+
+RUNS = TableSchema(
+    "_sys/runs",
+    _cols(
+        ("run_id", "string", False),
+        ("run_number", "bigint", False),
+        ("status", "string", False),  # STARTED | COMMITTED
+        ("now_ms", "bigint", False),
+        ("started_ms", "bigint", False),
+        ("ended_ms", "bigint"),
+        ("half_version", "bigint", False),
+        ("op_version", "bigint", False),
+        ("answers_version", "bigint", False),
+        ("prev_half_version", "bigint", False),
+        ("prev_op_version", "bigint", False),
+        ("prev_answers_version", "bigint", False),
+        ("state_run_number", "bigint", False),
+        ("summary_json", "string"),
+    ),
+)
+
+PENDING = TableSchema(
+    "_sys/pending",
+    HALF.columns + _cols(
+        ("checks_sent", "int", False),
+        ("checks_undecided", "int", False),  # answers UNKNOWN / ERROR
+        ("last_check_ms", "bigint"),
+        ("run_number", "bigint", False),
+    ),
+)
+
+RESOLVED = TableSchema(
+    "_sys/resolved",
+    _cols(
+        ("half_offset", "bigint", False),
+        ("transaction_id", "string", False),
+        ("producer_group", "string", False),
+        ("topic", "string", False),
+        ("action", "string", False),
+        ("source", "string", False),
+        ("op_offset", "bigint", False),
+        ("op_version", "bigint", False),
+        ("op_store_ms", "bigint", False),
+        ("after_discard", "boolean", False),
+        ("run_id", "string", False),
+    ),
+)
+
+QUEUES = TableSchema(
+    "_sys/queues",
+    _cols(
+        ("topic", "string", False),
+        ("queue_id", "int", False),
+        ("next_queue_offset", "bigint", False),
+        ("run_number", "bigint", False),
+    ),
+)
+
+REJECTED = TableSchema(
+    "_sys/rejected",
+    _cols(
+        ("source_table", "string", False),
+        ("row_offset", "bigint"),
+        ("transaction_id", "string"),
+        ("producer_group", "string"),
+        ("reason", "string", False),
+        ("run_id", "string", False),
+    ),
+)
+
+# Written through delta-rs with put-if-absent commits (one run at a time).
+LEASE = TableSchema(
+    "_sys/lease",
+    _cols(
+        ("holder", "string", False),
+        ("host", "string", False),
+        ("pid", "int", False),
+        ("action", "string", False),  # ACQUIRE | RENEW | RELEASE
+        ("wall_ms", "bigint", False),
+        ("expires_ms", "bigint", False),
+    ),
+    writer="broker",
+)
+
+ALL_TABLES = (HALF, OP, CHECK_REQUESTS, CHECK_ANSWERS, DISCARD, TOPIC, PRODUCERS,
+              RUNS, PENDING, RESOLVED, QUEUES, REJECTED, LEASE)
+
+
+def table_path(warehouse: str, table: TableSchema) -> str:
+    """The table's location: `<warehouse>/<path>`, for local paths and URIs alike."""
+    return warehouse.rstrip("/") + "/" + table.path
+
+
+def topic_path(warehouse: str, topic: str) -> str:
+    return warehouse.rstrip("/") + "/topics/" + topic

@@ -1,0 +1,161 @@
+"""Configuration: one TOML format for every entry point (SPEC §4).
+
+Precedence, highest first: explicit overrides (CLI flags, keyword arguments) >
+environment variables `TXN_<KEY>` > the TOML file > defaults. Every value is
+validated before anything touches a table; an error names the key, where the
+value came from, and what is accepted.
+"""
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping
+
+ENV_PREFIX = "TXN_"
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type or out of range."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """Validated settings shared by the broker core and the job.
+
+    >>> cfg = load_config(warehouse="/tmp/wh", check_max=3)
+    >>> cfg.check_max, cfg["check_budget"]
+    (3, 'answered')
+    """
+
+    warehouse: str = "./warehouse"
+    transaction_timeout_ms: int = 6000
+    check_max: int = 15
+    check_interval_ms: int = 30000
+    reserved_hours: int = 72
+    max_checks_per_run: int = 0
+    check_budget: str = "answered"
+    #: largest message body accepted by the broker core (RocketMQ's 4 MiB default)
+    max_body_bytes: int = 4 * 1024 * 1024
+    #: how long a job run's lease lasts without renewal (crashed runs free it after this)
+    lease_ttl_s: int = 600
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check(f.name, getattr(self, f.name), "value")
+
+    def __getitem__(self, key: str) -> Any:  # dict-style access for notebooks
+        if key not in _SPECS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], origin: str = "mapping") -> "Config":
+        """Build from a plain dict of SPEC §4 keys (missing keys take defaults)."""
+        unknown = sorted(set(values) - set(_SPECS))
+        if unknown:
+            raise ConfigError(f"unknown configuration key(s) {', '.join(map(repr, unknown))} "
+                              f"in {origin}; known keys: {', '.join(_SPECS)}")
+        for key, value in values.items():
+            _check(key, value, origin)
+        return cls(**dict(values))
+
+
+# key -> (type, validator, description of the accepted range)
+_SPECS: dict[str, tuple[type, Any, str]] = {
+    "warehouse": (str, lambda v: bool(v.strip()), "a non-empty path or URI"),
+    "transaction_timeout_ms": (int, lambda v: 0 <= v <= 2**40, "an integer from 0 to 2^40 (ms)"),
+    "check_max": (int, lambda v: 0 <= v <= 1_000_000, "an integer from 0 to 1000000"),
+    "check_interval_ms": (int, lambda v: 0 <= v <= 2**40, "an integer from 0 to 2^40 (ms)"),
+    "reserved_hours": (int, lambda v: 1 <= v <= 100_000, "an integer from 1 to 100000 (hours)"),
+    "max_checks_per_run": (int, lambda v: 0 <= v <= 2**31 - 1,
+                           "an integer from 0 (no cap) to 2147483647"),
+    "check_budget": (str, lambda v: v in ("answered", "sent"), "'answered' or 'sent'"),
+    "max_body_bytes": (int, lambda v: 1 <= v <= 256 * 1024 * 1024,
+                       "an integer from 1 to 268435456 (bytes)"),
+    "lease_ttl_s": (int, lambda v: 1 <= v <= 7 * 24 * 3600, "an integer from 1 to 604800 (s)"),
+}
+
+
+def _check(key: str, value: Any, origin: str) -> None:
+    kind, ok, accepted = _SPECS[key]
+    # bool is an int in Python; `check_max = true` is still a mistake.
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ConfigError(f"{key} from {origin} must be {accepted}; got "
+                          f"{type(value).__name__} {value!r}")
+    if not ok(value):
+        raise ConfigError(f"{key} from {origin} is out of range: {value!r}; "
+                          f"accepted: {accepted}")
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for key, (kind, _, accepted) in _SPECS.items():
+        name = ENV_PREFIX + key.upper()
+        if name not in env:
+            continue
+        raw = env[name]
+        if kind is int:
+            try:
+                values[key] = int(raw.strip())
+            except ValueError:
+                raise ConfigError(f"{key} from environment variable {name} must be "
+                                  f"{accepted}; got {raw!r}") from None
+        else:
+            values[key] = raw
+    return values
+
+
+def _from_file(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"configuration file {os.fspath(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"configuration file {os.fspath(path)!r} is not valid TOML: "
+                          f"{exc}") from None
+    # Accept a flat file, or one with the keys under a [reconcile] table.
+    if set(data) == {"reconcile"} and isinstance(data["reconcile"], dict):
+        data = data["reconcile"]
+    return data
+
+
+def load_config(path: str | os.PathLike | None = None, *,
+                env: Mapping[str, str] | None = None, **overrides: Any) -> Config:
+    """Read the configuration: overrides > `TXN_*` environment > TOML file > defaults.
+
+    Overrides whose value is None are ignored, so CLI flags that were not given
+    can be passed straight through.
+
+    >>> load_config(None, env={"TXN_CHECK_MAX": "4"}, check_max=None).check_max
+    4
+    """
+    env = os.environ if env is None else env
+    merged: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    layers = []
+    if path is not None:
+        layers.append((_from_file(path), f"file {os.fspath(path)!r}"))
+    layers.append((_from_env(env), "the environment"))
+    layers.append(({k: v for k, v in overrides.items() if v is not None}, "arguments"))
+    for values, origin in layers:
+        unknown = sorted(set(values) - set(_SPECS))
+        if unknown:
+            raise ConfigError(f"unknown configuration key(s) {', '.join(map(repr, unknown))} "
+                              f"in {origin}; known keys: {', '.join(_SPECS)}")
+        for key, value in values.items():
+            _check(key, value, origin)
+            merged[key] = value
+            origins[key] = origin
+    return Config(**merged)
+
+
+def as_config(config: Config | Mapping[str, Any]) -> Config:
+    """Accept a `Config` or a plain dict of SPEC §4 keys (notebooks pass dicts)."""
+    if isinstance(config, Config):
+        return config
+    return Config.from_mapping(config)

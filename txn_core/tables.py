@@ -1,0 +1,86 @@
+"""Opening and creating the broker core's Delta tables through delta-rs.
+
+The producer tables (`_sys/half`, `_sys/op`, `_sys/check_answers`) are
+created here with the change data feed on, so the job and the producers read
+only what was added since a version (DESIGN-NOTES "cursors are table
+versions"). No other table feature is enabled: delta-rs must stay able to
+write them (SPEC §2).
+"""
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+from deltalake import DeltaTable
+from deltalake.exceptions import DeltaError, TableNotFoundError
+
+from schemas import CHECK_ANSWERS, HALF, LEASE, OP, PRODUCERS, TableSchema, table_path
+from schemas.arrow import arrow_schema
+
+BROKER_TABLES = (HALF, OP, CHECK_ANSWERS, PRODUCERS)
+
+# Group commit at thousands of messages a second writes many commits: keep the
+# log short (checkpoint every 100 commits, drop JSON commits after 2 days) so
+# opening a table stays cheap. The job must run at least once in that window,
+# or it falls back to a full read (see jobs/).
+PRODUCER_TABLE_CONFIG = {
+    "delta.enableChangeDataFeed": "true",
+    "delta.checkpointInterval": "100",
+    "delta.logRetentionDuration": "interval 2 days",
+    "delta.deletedFileRetentionDuration": "interval 1 days",
+    "delta.enableExpiredLogCleanup": "true",
+}
+
+
+class MissingTableError(RuntimeError):
+    """A table the caller needs does not exist (and may not be created here)."""
+
+
+def open_or_create(warehouse: str, table: TableSchema,
+                   configuration: dict[str, str] | None = None,
+                   storage_options: dict[str, str] | None = None) -> DeltaTable:
+    """Open `table` under `warehouse`, creating it when missing.
+
+    Several processes may race to create the same table; the loser of the
+    version-0 commit simply opens what the winner made.
+    """
+    uri = table_path(warehouse, table)
+    for attempt in range(5):
+        try:
+            return DeltaTable(uri, storage_options=storage_options)
+        except TableNotFoundError:
+            pass
+        try:
+            return DeltaTable.create(uri, arrow_schema(table), mode="error",
+                                     configuration=configuration or PRODUCER_TABLE_CONFIG,
+                                     storage_options=storage_options)
+        except (DeltaError, OSError, Exception) as exc:  # lost the race to create it
+            last = exc
+            time.sleep(0.01 * (attempt + 1))
+    raise MissingTableError(f"could not open or create {uri}: {last}") from last
+
+
+def open_existing(warehouse: str, table: TableSchema,
+                  storage_options: dict[str, str] | None = None) -> DeltaTable | None:
+    """Open `table` if it exists, else None (e.g. check requests before the job ran)."""
+    try:
+        return DeltaTable(table_path(warehouse, table), storage_options=storage_options)
+    except TableNotFoundError:
+        return None
+
+
+def ensure_broker_tables(warehouse: str,
+                         storage_options: dict[str, str] | None = None) -> dict[str, DeltaTable]:
+    """Create the tables the broker core writes; return handles keyed by path."""
+    return {t.path: open_or_create(warehouse, t, storage_options=storage_options)
+            for t in BROKER_TABLES}
+
+
+def lease_table(warehouse: str, storage_options: dict[str, str] | None = None) -> DeltaTable:
+    """The job's lease table, written through delta-rs (put-if-absent commits)."""
+    return open_or_create(warehouse, LEASE, configuration={"delta.checkpointInterval": "50"},
+                          storage_options=storage_options)
+
+
+def empty(table: TableSchema) -> pa.Table:
+    return arrow_schema(table).empty_table()
