@@ -1,0 +1,67 @@
+"""Configuration: flag > env > file > default, and refusal of bad values."""
+import pytest
+
+from txn_core.config import Config, ConfigError, as_config, load_config
+
+
+def _toml(tmp_path, text):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_match_spec():
+    cfg = load_config(env={})
+    assert (cfg.warehouse, cfg.transaction_timeout_ms, cfg.check_max, cfg.check_interval_ms,
+            cfg.reserved_hours, cfg.max_checks_per_run, cfg.check_budget) == (
+        "./warehouse", 6000, 15, 30000, 72, 0, "answered")
+
+
+def test_precedence_flag_over_env_over_file(tmp_path):
+    path = _toml(tmp_path, 'check_max = 3\ncheck_interval_ms = 10\nwarehouse = "/f"\n')
+    env = {"TXN_CHECK_MAX": "4", "TXN_CHECK_INTERVAL_MS": "20"}
+    cfg = load_config(path, env=env, check_max=5, warehouse=None)
+    assert cfg.check_max == 5            # flag
+    assert cfg.check_interval_ms == 20   # env beats file
+    assert cfg.warehouse == "/f"         # file beats default; a None flag is ignored
+
+
+def test_repo_config_file_loads():
+    assert load_config("conf/reconcile.toml", env={}) == Config()
+
+
+@pytest.mark.parametrize("text, words", [
+    ("check_maxx = 3\n", ["check_maxx", "unknown"]),
+    ('check_max = "3"\n', ["check_max", "str"]),
+    ("check_max = true\n", ["check_max", "bool"]),
+    ("check_max = -1\n", ["check_max", "out of range", "0 to 1000000"]),
+    ('check_budget = "always"\n', ["check_budget", "'answered' or 'sent'"]),
+    ("reserved_hours = 0\n", ["reserved_hours", "1 to 100000"]),
+    ("check_max = \n", ["not valid TOML"]),
+])
+def test_bad_file_values_name_the_key(tmp_path, text, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(_toml(tmp_path, text), env={})
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_bad_env_value_names_the_variable():
+    with pytest.raises(ConfigError, match="TXN_CHECK_MAX"):
+        load_config(env={"TXN_CHECK_MAX": "many"})
+
+
+def test_bad_override_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="transaction_timeout_ms"):
+        load_config(env={}, transaction_timeout_ms=-5)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml", env={})
+    with pytest.raises(ConfigError, match="bogus"):
+        load_config(env={}, bogus=1)
+
+
+def test_plain_dict_is_accepted_and_validated():
+    assert as_config({"check_max": 2}).check_max == 2
+    with pytest.raises(ConfigError, match="max_checks_per_run"):
+        as_config({"max_checks_per_run": 1.5})
+    assert Config()["check_budget"] == "answered"

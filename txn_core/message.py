@@ -1,0 +1,207 @@
+"""Messages, local-transaction states and send results, with RocketMQ's input rules."""
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from txn_core.errors import MessageValidationError
+
+# RocketMQ's Validators: topic and group names.
+_NAME_RE = re.compile(r"^[%|a-zA-Z0-9_-]+$")
+TOPIC_MAX_LEN = 127
+GROUP_MAX_LEN = 255
+# Topics RocketMQ reserves for itself (TopicValidator.SYSTEM_TOPIC_SET and prefixes).
+_SYSTEM_TOPICS = frozenset({
+    "TBW102", "SCHEDULE_TOPIC_XXXX", "BenchmarkTest", "RMQ_SYS_TRANS_HALF_TOPIC",
+    "RMQ_SYS_TRANS_OP_HALF_TOPIC", "TRANS_CHECK_MAX_TIME_TOPIC", "SELF_TEST_TOPIC",
+    "OFFSET_MOVED_EVENT", "RMQ_SYS_TRACE_TOPIC",
+})
+_SYSTEM_PREFIXES = ("rmq_sys_", "_sys")
+_SYSTEM_GROUP_PREFIXES = ("cid_rmq_sys_", "_sys")
+# RocketMQ joins properties with \x01 between name and value and \x02 between
+# pairs; refusing them keeps our properties portable to RocketMQ.
+_PROPERTY_SEPARATORS = ("\x01", "\x02")
+
+
+class LocalTransactionState(str, enum.Enum):
+    """What the local transaction (or a back-check) decided."""
+
+    COMMIT_MESSAGE = "COMMIT_MESSAGE"
+    ROLLBACK_MESSAGE = "ROLLBACK_MESSAGE"
+    UNKNOWN = "UNKNOWN"
+
+    # RocketMQ's Java spelling, for code ported from it.
+    UNKNOW = "UNKNOWN"
+
+    @property
+    def action(self) -> str | None:
+        """The OP action this state writes (None for UNKNOWN: nothing is written)."""
+        return {"COMMIT_MESSAGE": "COMMIT", "ROLLBACK_MESSAGE": "ROLLBACK"}.get(self.value)
+
+
+@dataclass
+class Message:
+    """A message to send in a transaction.
+
+    After a send (and in the listener's calls) `transaction_id`, `msg_id` and
+    `half_offset` are filled in, as RocketMQ sets `msg.transactionId`.
+
+    >>> Message(topic="ORDER", body=b"{}", keys="order-42", tags="created").topic
+    'ORDER'
+    """
+
+    topic: str
+    body: bytes
+    keys: str | None = None
+    tags: str | None = None
+    properties: Mapping[str, str] | None = None
+    queue_id: int = 0
+    check_immunity_s: int | None = None
+    #: RocketMQ delay level; transactions ignore it (a single send clears it,
+    #: a batch refuses it).
+    delay_level: int = 0
+    transaction_id: str | None = None
+    msg_id: str | None = None
+    half_offset: int | None = None
+    producer_group: str | None = field(default=None, repr=False)
+
+
+def validate_topic(topic: object, field_name: str = "topic") -> str:
+    if not isinstance(topic, str):
+        raise MessageValidationError(field_name, f"must be a string, got {type(topic).__name__}")
+    if not topic:
+        raise MessageValidationError(field_name, "must not be empty")
+    if len(topic) > TOPIC_MAX_LEN:
+        raise MessageValidationError(field_name, f"is {len(topic)} characters; at most "
+                                     f"{TOPIC_MAX_LEN} are allowed")
+    if not _NAME_RE.match(topic):
+        raise MessageValidationError(field_name, f"{topic!r} contains characters outside "
+                                     "[A-Za-z0-9_%|-]")
+    if topic in _SYSTEM_TOPICS or topic.lower().startswith(_SYSTEM_PREFIXES):
+        raise MessageValidationError(field_name, f"{topic!r} is a system topic name")
+    return topic
+
+
+def validate_group(group: object, field_name: str = "producer_group") -> str:
+    if not isinstance(group, str):
+        raise MessageValidationError(field_name, f"must be a string, got {type(group).__name__}")
+    if not group:
+        raise MessageValidationError(field_name, "must not be empty")
+    if len(group) > GROUP_MAX_LEN:
+        raise MessageValidationError(field_name, f"is {len(group)} characters; at most "
+                                     f"{GROUP_MAX_LEN} are allowed")
+    if not _NAME_RE.match(group):
+        raise MessageValidationError(field_name, f"{group!r} contains characters outside "
+                                     "[A-Za-z0-9_%|-]")
+    if group.lower().startswith(_SYSTEM_GROUP_PREFIXES):
+        raise MessageValidationError(field_name, f"{group!r} is a system group name")
+    return group
+
+
+def _optional_str(value: object, field_name: str) -> None:
+    if value is not None and not isinstance(value, str):
+        raise MessageValidationError(field_name, f"must be a string or None, got "
+                                     f"{type(value).__name__}")
+
+
+def _int_field(value: object, field_name: str, low: int, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise MessageValidationError(field_name, f"must be an integer, got "
+                                     f"{type(value).__name__}")
+    if not low <= value <= high:
+        raise MessageValidationError(field_name, f"{value} is out of range [{low}, {high}]")
+
+
+def validate_message(msg: object, max_body_bytes: int, *, in_batch: bool = False) -> Message:
+    """Check every field of `msg`; raise MessageValidationError naming the first bad one."""
+    if not isinstance(msg, Message):
+        raise MessageValidationError("message", f"must be a txn_core.Message, got "
+                                     f"{type(msg).__name__}")
+    validate_topic(msg.topic)
+    if msg.body is None:
+        raise MessageValidationError("body", "must not be None")
+    if not isinstance(msg.body, (bytes, bytearray, memoryview)):
+        raise MessageValidationError("body", f"must be bytes, got {type(msg.body).__name__}")
+    size = len(bytes(msg.body))
+    if size == 0:
+        raise MessageValidationError("body", "must not be empty")
+    if size > max_body_bytes:
+        raise MessageValidationError("body", f"is {size} bytes; the limit is {max_body_bytes}")
+    _optional_str(msg.keys, "keys")
+    _optional_str(msg.tags, "tags")
+    _int_field(msg.queue_id, "queue_id", 0, 2**31 - 1)
+    if msg.check_immunity_s is not None:
+        _int_field(msg.check_immunity_s, "check_immunity_s", -(2**31), 2**31 - 1)
+    _int_field(msg.delay_level, "delay_level", 0, 2**31 - 1)
+    if in_batch and msg.delay_level:
+        raise MessageValidationError("delay_level", "a batch must not carry a delay level")
+    if msg.properties is not None:
+        if not isinstance(msg.properties, Mapping):
+            raise MessageValidationError("properties", f"must be a mapping of str to str, got "
+                                         f"{type(msg.properties).__name__}")
+        for key, value in msg.properties.items():
+            if not isinstance(key, str) or not key:
+                raise MessageValidationError("properties", f"key {key!r} must be a non-empty "
+                                             "string")
+            if not isinstance(value, str):
+                raise MessageValidationError(f"properties[{key!r}]", f"value must be a string, "
+                                             f"got {type(value).__name__}")
+            for text in (key, value):
+                if any(sep in text for sep in _PROPERTY_SEPARATORS):
+                    raise MessageValidationError(f"properties[{key!r}]", "must not contain "
+                                                 "the control characters \\x01 or \\x02")
+    return msg
+
+
+def validate_batch(messages: object, max_body_bytes: int) -> list[Message]:
+    """RocketMQ's batch rules: non-empty, one topic, no delay; each message valid."""
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+        raise MessageValidationError("messages", "must be a sequence of Message")
+    if not messages:
+        raise MessageValidationError("messages", "must not be empty")
+    for i, msg in enumerate(messages):
+        try:
+            validate_message(msg, max_body_bytes, in_batch=True)
+        except MessageValidationError as exc:
+            raise MessageValidationError(f"messages[{i}].{exc.field}", exc.problem) from None
+    topics = {m.topic for m in messages}
+    if len(topics) > 1:
+        raise MessageValidationError("messages", f"a batch must share one topic; got "
+                                     f"{sorted(topics)}")
+    return list(messages)
+
+
+@dataclass
+class SendResult:
+    """Outcome of `send_message_in_transaction` (RocketMQ's TransactionSendResult)."""
+
+    transaction_id: str
+    msg_id: str
+    half_offset: int
+    local_state: LocalTransactionState
+    send_status: str = "SEND_OK"
+    #: the exception the local transaction raised, if any (its state is then UNKNOWN)
+    error: BaseException | None = None
+    #: False when the decided state's OP row could not be written; the back-check
+    #: will settle the message (as RocketMQ's oneway endTransaction)
+    op_written: bool = False
+    op_error: BaseException | None = None
+
+
+@dataclass
+class BatchSendResult:
+    """Outcome of `send_batch_in_transaction`: one decision for every message."""
+
+    transaction_ids: list[str]
+    msg_ids: list[str]
+    half_offsets: list[int]
+    local_state: LocalTransactionState
+    send_status: str = "SEND_OK"
+    error: BaseException | None = None
+    op_written: bool = False
+    op_error: BaseException | None = None
+
+    def __len__(self) -> int:
+        return len(self.transaction_ids)

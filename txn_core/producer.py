@@ -1,0 +1,169 @@
+"""TransactionProducer and TransactionListener (RocketMQ's DefaultMQProducerImpl rules)."""
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+from typing import Any, Sequence
+
+from txn_core.broker import Broker
+from txn_core.checks import CheckAnswerer
+from txn_core.errors import NoListenerError, PersistError
+from txn_core.message import (BatchSendResult, LocalTransactionState, Message, SendResult,
+                              validate_batch, validate_group, validate_message)
+
+log = logging.getLogger(__name__)
+
+
+class TransactionListener(abc.ABC):
+    """What a producer implements: run the local transaction, and answer back-checks.
+
+    Return COMMIT_MESSAGE, ROLLBACK_MESSAGE or UNKNOWN. Returning None or
+    raising counts as UNKNOWN: the back-check decides later.
+    """
+
+    @abc.abstractmethod
+    def execute_local_transaction(self, msg: Message | Sequence[Message],
+                                  arg: Any) -> LocalTransactionState: ...
+
+    @abc.abstractmethod
+    def check_local_transaction(self, msg: Message) -> LocalTransactionState: ...
+
+
+class TransactionProducer:
+    """Sends messages in transactions for one producer group.
+
+    >>> producer = TransactionProducer(broker, group="order_group",
+    ...                                listener=OrderListener())        # doctest: +SKIP
+    >>> result = producer.send_message_in_transaction(
+    ...     Message(topic="ORDER", body=b"{...}", keys="order-42"))     # doctest: +SKIP
+    >>> result.local_state                                               # doctest: +SKIP
+    <LocalTransactionState.COMMIT_MESSAGE: 'COMMIT_MESSAGE'>
+    """
+
+    def __init__(self, broker: Broker, group: str,
+                 listener: TransactionListener | None = None):
+        self.broker = broker
+        self.group = validate_group(group)
+        self.listener = listener
+        self._checks = CheckAnswerer(broker, self.group, self._check_state)
+        self._checks_lock = threading.Lock()
+        self._checker: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # --- sending ------------------------------------------------------------------
+
+    def send_message_in_transaction(self, msg: Message, arg: Any = None) -> SendResult:
+        """Store the half message, run the local transaction, report its outcome.
+
+        Raises MessageValidationError (nothing written) for a bad message,
+        NoListenerError without a listener, PersistError when the half row
+        could not be stored (the local transaction is then not run).
+        """
+        listener = self._require_listener()
+        validate_message(msg, self.broker.config.max_body_bytes)
+        stored = self.broker.store_halves(self.group, [msg])[0]
+        state, error = _execute(listener, stored, arg)
+        result = SendResult(transaction_id=stored.transaction_id, msg_id=stored.msg_id,
+                            half_offset=stored.half_offset, local_state=state, error=error)
+        result.op_written, result.op_error = self._report(state, [stored])
+        return result
+
+    def send_batch_in_transaction(self, messages: Sequence[Message],
+                                  arg: Any = None) -> BatchSendResult:
+        """Store all half rows in one commit, decide them with one local transaction.
+
+        `execute_local_transaction(batch, arg)` receives the stored messages
+        (ids filled in); its one decision is written as one OP per message,
+        in one commit. Checks stay per message.
+        """
+        listener = self._require_listener()
+        validate_batch(messages, self.broker.config.max_body_bytes)
+        stored = self.broker.store_halves(self.group, list(messages))
+        state, error = _execute(listener, stored, arg)
+        result = BatchSendResult(transaction_ids=[m.transaction_id for m in stored],
+                                 msg_ids=[m.msg_id for m in stored],
+                                 half_offsets=[m.half_offset for m in stored],
+                                 local_state=state, error=error)
+        result.op_written, result.op_error = self._report(state, stored)
+        return result
+
+    def _report(self, state: LocalTransactionState,
+                stored: list[Message]) -> tuple[bool, BaseException | None]:
+        """Write the decision's OP rows; a failure is returned, not raised (SPEC §3.4)."""
+        if state.action is None:
+            return False, None
+        try:
+            self.broker.store_ops([{"half_offset": m.half_offset,
+                                    "transaction_id": m.transaction_id,
+                                    "producer_group": self.group, "action": state.action,
+                                    "source": "PRODUCER", "remark": None} for m in stored])
+        except PersistError as exc:
+            log.warning("OP for %d message(s) of group %s not written (%s); the back-check "
+                        "will settle them", len(stored), self.group, exc)
+            return False, exc
+        return True, None
+
+    def _require_listener(self) -> TransactionListener:
+        if self.listener is None:
+            raise NoListenerError(f"producer group {self.group!r} has no TransactionListener; "
+                                  "pass listener= to send messages in a transaction")
+        return self.listener
+
+    # --- back-checks --------------------------------------------------------------
+
+    def answer_checks(self) -> int:
+        """One pass over this group's open check requests; returns how many were answered."""
+        listener = self._require_listener()
+        del listener  # the answerer calls self._check_state, which uses it
+        with self._checks_lock:
+            return self._checks.poll()
+
+    def start_checker(self, poll_s: float = 1.0) -> None:
+        """Answer checks from a background thread every `poll_s` seconds until close()."""
+        self._require_listener()
+        if self._checker is not None:
+            return
+        self._stop.clear()
+        self._checker = threading.Thread(target=self._check_loop, args=(poll_s,),
+                                         name=f"check-{self.group}", daemon=True)
+        self._checker.start()
+
+    def _check_loop(self, poll_s: float) -> None:
+        while not self._stop.is_set():
+            try:
+                self.answer_checks()
+            except Exception:  # noqa: BLE001 - keep answering; the next poll retries
+                log.exception("answering checks for group %s failed", self.group)
+            self._stop.wait(poll_s)
+
+    def _check_state(self, msg: Message) -> LocalTransactionState:
+        return self.listener.check_local_transaction(msg)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._checker is not None:
+            self._checker.join()
+            self._checker = None
+
+    def __enter__(self) -> "TransactionProducer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _execute(listener: TransactionListener, msg, arg) -> tuple[LocalTransactionState,
+                                                               BaseException | None]:
+    try:
+        state = listener.execute_local_transaction(msg, arg)
+    except Exception as exc:  # noqa: BLE001 - RocketMQ: an exception means UNKNOW
+        log.warning("execute_local_transaction raised %r; state UNKNOWN", exc)
+        return LocalTransactionState.UNKNOWN, exc
+    if state is None:
+        return LocalTransactionState.UNKNOWN, None
+    try:
+        return LocalTransactionState(state), None
+    except ValueError:
+        return LocalTransactionState.UNKNOWN, TypeError(
+            f"execute_local_transaction returned {state!r}, not a LocalTransactionState")
