@@ -15,11 +15,11 @@ from typing import Callable, Iterable, Mapping
 import pyarrow.compute as pc
 from deltalake import DeltaTable
 
-from schemas import HALF, OP
+from schemas import HALF, OP, table_path
 from schemas.arrow import arrow_schema
 from txn_core.config import Config
 from txn_core.errors import BrokerClosedError, PersistError
-from txn_core.group_commit import GroupCommitWriter
+from txn_core.group_commit import DirectWriter, GroupCommitWriter
 from txn_core.message import Message, validate_group
 from txn_core.offsets import OffsetAllocator, register_epoch
 from txn_core.tables import ensure_broker_tables
@@ -42,7 +42,8 @@ class Broker:
     """
 
     def __init__(self, warehouse: str, tables: Mapping[str, DeltaTable], config: Config,
-                 clock: Callable[[], int], storage_options: dict[str, str] | None):
+                 clock: Callable[[], int], storage_options: dict[str, str] | None,
+                 group_commit: bool = True):
         self.warehouse = warehouse
         self.config = config
         self.clock = clock
@@ -53,28 +54,38 @@ class Broker:
         self._offsets = OffsetAllocator(
             register_epoch(producers, self.broker_id, clock()),
             lambda: register_epoch(producers, self.broker_id, clock()))
-        self._half = GroupCommitWriter(self._tables[HALF.path], arrow_schema(HALF),
-                                       name=HALF.path, clock=clock)
-        self._op = GroupCommitWriter(self._tables[OP.path], arrow_schema(OP),
-                                     name=OP.path, clock=clock)
+        if group_commit:
+            self._half = GroupCommitWriter(self._tables[HALF.path], arrow_schema(HALF),
+                                           name=HALF.path, clock=clock)
+            self._op = GroupCommitWriter(self._tables[OP.path], arrow_schema(OP),
+                                         name=OP.path, clock=clock)
+        else:  # one commit per call: only for measuring what group commit buys
+            self._half = DirectWriter(table_path(warehouse, HALF), arrow_schema(HALF),
+                                      name=HALF.path, clock=clock,
+                                      storage_options=storage_options)
+            self._op = DirectWriter(table_path(warehouse, OP), arrow_schema(OP),
+                                    name=OP.path, clock=clock, storage_options=storage_options)
         self._closed = False
         self._close_lock = threading.Lock()
 
     @classmethod
     def open(cls, warehouse: str | Config, *, config: Config | None = None,
              clock: Callable[[], int] | None = None,
-             storage_options: dict[str, str] | None = None) -> "Broker":
+             storage_options: dict[str, str] | None = None,
+             group_commit: bool = True) -> "Broker":
         """Open the warehouse, creating missing producer tables.
 
         `warehouse` may be a path/URI or a Config (its `warehouse` is used).
         `clock` returns epoch milliseconds (tests inject one); `storage_options`
-        go to delta-rs for object stores.
+        go to delta-rs for object stores. `group_commit=False` makes every
+        append its own commit (the naive design; benchmarks only).
         """
         if isinstance(warehouse, Config):
             config, warehouse = warehouse, warehouse.warehouse
         config = config or Config(warehouse=warehouse)
         tables = ensure_broker_tables(warehouse, storage_options=storage_options)
-        return cls(warehouse, tables, config, clock or wall_clock_ms, storage_options)
+        return cls(warehouse, tables, config, clock or wall_clock_ms, storage_options,
+                   group_commit)
 
     @property
     def epoch(self) -> int:

@@ -123,3 +123,49 @@ class GroupCommitWriter:
             else:
                 arrays.append(pa.array(merged[f.name], type=f.type))
         return pa.Table.from_arrays(arrays, schema=self._schema)
+
+
+class DirectWriter:
+    """The naive design, for comparison: every submit is its own Delta commit.
+
+    Each calling thread commits through its own table handle, so concurrent
+    callers race for versions and delta-rs rebases the losers.
+    """
+
+    def __init__(self, uri: str, schema: pa.Schema, *, name: str, clock: Callable[[], int],
+                 stamp_column: str | None = "store_ms",
+                 storage_options: dict[str, str] | None = None):
+        self._uri = uri
+        self._schema = schema
+        self._name = name
+        self._clock = clock
+        self._stamp = stamp_column
+        self._storage_options = storage_options
+        self._local = threading.local()
+        self._count_lock = threading.Lock()
+        self.commits = 0
+
+    def submit(self, columns: dict[str, list]) -> Future:
+        fut: Future = Future()
+        table = getattr(self._local, "table", None)
+        if table is None:
+            table = self._local.table = DeltaTable(self._uri,
+                                                   storage_options=self._storage_options)
+        size = len(next(iter(columns.values())))
+        arrays = [pa.array([self._clock()] * size, type=f.type) if f.name == self._stamp
+                  else pa.array(columns[f.name], type=f.type) for f in self._schema]
+        try:
+            write_deltalake(table, pa.Table.from_arrays(arrays, schema=self._schema),
+                            mode="append", commit_properties=_COMMIT)
+        except Exception as exc:  # noqa: BLE001 - reported like the group writer does
+            error = PersistError(f"could not append {size} row(s) to {self._name}: {exc}")
+            error.__cause__ = exc
+            fut.set_exception(error)
+            return fut
+        with self._count_lock:
+            self.commits += 1
+        fut.set_result(table.version())
+        return fut
+
+    def close(self) -> None:
+        pass

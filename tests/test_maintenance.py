@@ -1,0 +1,80 @@
+"""Producer-side table health: compaction, checkpoints, and the retention purge (I5)."""
+import pyarrow as pa
+from deltalake import DeltaTable, write_deltalake
+
+from schemas import RESOLVED
+from schemas.arrow import arrow_schema
+from txn_core import Broker, Config, LocalTransactionState, Message, TransactionListener, \
+    TransactionProducer
+from txn_core.maintenance import maintain
+from txn_core.tables import open_or_create
+
+HOUR = 3_600_000
+
+
+class Decide(TransactionListener):
+    def execute_local_transaction(self, msg, arg):
+        return arg
+
+    def check_local_transaction(self, msg):
+        return LocalTransactionState.UNKNOWN
+
+
+class Clock:
+    def __init__(self, now):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+
+def _mark_resolved(warehouse, results):
+    """Stand-in for the job's `_sys/resolved` rows (the job writes them in production)."""
+    rows = [{"half_offset": r.half_offset, "transaction_id": r.transaction_id,
+             "producer_group": "g", "topic": "T", "action": "COMMIT", "source": "PRODUCER",
+             "op_offset": 0, "op_version": 0, "op_store_ms": 0, "after_discard": False,
+             "run_id": "run-1"} for r in results]
+    table = open_or_create(warehouse, RESOLVED, configuration={})
+    write_deltalake(table, pa.Table.from_pylist(
+        [{**{c: None for c in arrow_schema(RESOLVED).names}, **row} for row in rows],
+        schema=arrow_schema(RESOLVED)), mode="append")
+
+
+def test_purge_deletes_only_resolved_messages_older_than_retention(warehouse):
+    clock = Clock(1_000 * HOUR)
+    config = Config(warehouse=warehouse, reserved_hours=72)
+    with Broker.open(warehouse, config=config, clock=clock) as broker:
+        producer = TransactionProducer(broker, "g", Decide())
+        commit = LocalTransactionState.COMMIT_MESSAGE
+        old_resolved = producer.send_message_in_transaction(Message(topic="T", body=b"a"), commit)
+        old_pending = producer.send_message_in_transaction(Message(topic="T", body=b"b"), None)
+        clock.now += 72 * HOUR  # exactly at the window's edge: kept
+        edge = producer.send_message_in_transaction(Message(topic="T", body=b"c"), commit)
+        clock.now += 1
+        _mark_resolved(warehouse, [old_resolved, edge])
+        report = maintain(broker, now_ms=clock.now + 72 * HOUR - 1)
+    halves = {r["half_offset"] for r in DeltaTable(f"{warehouse}/_sys/half")
+              .to_pyarrow_table().to_pylist()}
+    ops = {r["half_offset"] for r in DeltaTable(f"{warehouse}/_sys/op")
+           .to_pyarrow_table().to_pylist()}
+    assert (report.purged_halves, report.purged_ops) == (1, 1)
+    assert halves == {old_pending.half_offset, edge.half_offset}
+    assert ops == {edge.half_offset}
+
+
+def test_compaction_and_checkpoint_leave_rows_and_change_feed_intact(warehouse):
+    with Broker.open(warehouse) as broker:
+        producer = TransactionProducer(broker, "g", Decide())
+        for i in range(12):
+            producer.send_message_in_transaction(Message(topic="T", body=bytes([i])),
+                                                 LocalTransactionState.COMMIT_MESSAGE)
+        half = DeltaTable(f"{warehouse}/_sys/half")
+        before_files, before_version = len(half.file_uris()), half.version()
+        report = maintain(broker)
+    half = DeltaTable(f"{warehouse}/_sys/half")
+    assert before_files == 12 and len(half.file_uris()) == 1
+    assert report.compacted_files["_sys/half"] == 12
+    assert half.to_pyarrow_table().num_rows == 12
+    # the rewrite is not data: the change feed over it holds no new inserts
+    changes = pa.table(half.load_cdf(starting_version=before_version + 1))
+    assert changes.num_rows == 0
