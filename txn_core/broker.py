@@ -7,10 +7,11 @@ groups, any threads) share it.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import pyarrow.compute as pc
 from deltalake import DeltaTable
@@ -101,59 +102,57 @@ class Broker:
         """Persist half rows for `messages` in one commit; return copies with ids set.
 
         Returns only once the rows are durable (committed); raises PersistError
-        when they are not.
+        when they are not. Columns are built straight from the inputs: this is
+        the bulk path's hot loop.
         """
         self._check_open()
-        offsets = self._offsets.take(len(messages))
-        stored = []
-        for msg, offset in zip(messages, offsets):
-            msg_id = new_message_id()
-            stored.append(Message(
-                topic=msg.topic, body=bytes(msg.body), keys=msg.keys, tags=msg.tags,
-                properties=dict(msg.properties) if msg.properties else {},
-                queue_id=msg.queue_id, check_immunity_s=msg.check_immunity_s,
-                delay_level=0,  # RocketMQ clears delay levels of transactional messages
-                transaction_id=msg_id, msg_id=msg_id, half_offset=offset,
-                producer_group=group))
-        born = self.clock()
+        n = len(messages)
+        offsets = self._offsets.take(n)
+        ids = new_message_ids(n)
+        bodies = [m.body if type(m.body) is bytes else bytes(m.body) for m in messages]
         columns = {
             "half_offset": offsets,
-            "transaction_id": [m.transaction_id for m in stored],
-            "msg_id": [m.msg_id for m in stored],
-            "producer_group": [group] * len(stored),
-            "topic": [m.topic for m in stored],
-            "queue_id": [m.queue_id for m in stored],
-            "tags": [m.tags for m in stored],
-            "keys": [m.keys for m in stored],
-            "body": [m.body for m in stored],
-            "properties": [list(m.properties.items()) for m in stored],
-            "born_ms": [born] * len(stored),
-            "check_immunity_s": [m.check_immunity_s for m in stored],
+            "transaction_id": ids,
+            "msg_id": ids,
+            "producer_group": [group] * n,
+            "topic": [m.topic for m in messages],
+            "queue_id": [m.queue_id for m in messages],
+            "tags": [m.tags for m in messages],
+            "keys": [m.keys for m in messages],
+            "body": bodies,
+            "properties": [list(m.properties.items()) if m.properties else []
+                           for m in messages],
+            "born_ms": [self.clock()] * n,
+            "check_immunity_s": [m.check_immunity_s for m in messages],
         }
         self._half.submit(columns).result()
-        return stored
+        return StoredMessages(messages, bodies, ids, offsets, group)
 
-    def store_ops(self, ops: Iterable[Mapping]) -> list[int]:
-        """Persist OP rows (keys: half_offset, transaction_id, producer_group, action,
-        source, remark) in one commit; return their op_offsets once durable."""
+    def store_ops(self, half_offsets: list[int], transaction_ids: list[str],
+                  producer_group: str, actions: str | list[str], source: str,
+                  remarks: str | list[str | None] | None = None) -> list[int]:
+        """Persist OP rows for one producer group in one commit; return their
+        op_offsets once durable. `actions`/`remarks` may be one value for all."""
         self._check_open()
-        ops = list(ops)
-        for op in ops:
-            if op["action"] not in ACTIONS:
-                raise ValueError(f"action must be one of {ACTIONS}, got {op['action']!r}")
-            if op["source"] not in SOURCES:
-                raise ValueError(f"source must be one of {SOURCES}, got {op['source']!r}")
-        offsets = self._offsets.take(len(ops))
-        columns = {
+        n = len(half_offsets)
+        actions = [actions] * n if isinstance(actions, str) else list(actions)
+        remarks = [remarks] * n if remarks is None or isinstance(remarks, str) else list(remarks)
+        if len(transaction_ids) != n or len(actions) != n or len(remarks) != n:
+            raise ValueError("store_ops needs one transaction id, action and remark per offset")
+        if not set(actions) <= set(ACTIONS):
+            raise ValueError(f"action must be one of {ACTIONS}, got {sorted(set(actions))}")
+        if source not in SOURCES:
+            raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+        offsets = self._offsets.take(n)
+        self._op.submit({
             "op_offset": offsets,
-            "half_offset": [op["half_offset"] for op in ops],
-            "transaction_id": [op["transaction_id"] for op in ops],
-            "producer_group": [op["producer_group"] for op in ops],
-            "action": [op["action"] for op in ops],
-            "source": [op["source"] for op in ops],
-            "remark": [op.get("remark") for op in ops],
-        }
-        self._op.submit(columns).result()
+            "half_offset": list(half_offsets),
+            "transaction_id": list(transaction_ids),
+            "producer_group": [producer_group] * n,
+            "action": actions,
+            "source": [source] * n,
+            "remark": remarks,
+        }).result()
         return offsets
 
     def resolve(self, transaction_id: str, commit: bool, remark: str | None = None) -> int:
@@ -168,11 +167,8 @@ class Broker:
         if not isinstance(commit, bool):
             raise ValueError("commit must be True (commit) or False (rollback)")
         half = self.find_half(transaction_id)
-        return self.store_ops([{
-            "half_offset": half["half_offset"], "transaction_id": transaction_id,
-            "producer_group": half["producer_group"],
-            "action": "COMMIT" if commit else "ROLLBACK", "source": "ADMIN",
-            "remark": remark}])[0]
+        return self.store_ops([half["half_offset"]], [transaction_id], half["producer_group"],
+                              "COMMIT" if commit else "ROLLBACK", "ADMIN", remark)[0]
 
     def find_half(self, transaction_id: str) -> dict:
         """The half row of `transaction_id` (a full scan: for operators, not hot paths)."""
@@ -212,9 +208,54 @@ class Broker:
         return {HALF.path: self._half.commits, OP.path: self._op.commits}
 
 
-def new_message_id() -> str:
-    """A 32-hex-digit unique id, the shape of RocketMQ's UNIQ_KEY."""
-    return uuid.uuid4().hex.upper()
+def new_message_ids(n: int) -> list[str]:
+    """`n` random 32-hex-digit ids (128 bits, as uuid4), the shape of RocketMQ's
+    UNIQ_KEY; drawn in one call because uuid4() per message is a hot spot."""
+    digits = os.urandom(16 * n).hex().upper()
+    return [digits[i:i + 32] for i in range(0, 32 * n, 32)]
+
+
+class StoredMessages(Sequence[Message]):
+    """The messages of one store_halves call as stored: ids filled in, delay cleared.
+
+    Each item is a copy, not the caller's object (one Message may be sent many
+    times), made when first asked for: a listener deciding a 10,000-message
+    batch rarely looks at every message, and copying them all up front was
+    the bulk path's largest cost.
+    """
+
+    def __init__(self, messages: Sequence[Message], bodies: list[bytes], ids: list[str],
+                 offsets: list[int], group: str):
+        self._messages, self._bodies, self._ids = messages, bodies, ids
+        self.half_offsets, self._group = offsets, group
+        self._copies: dict[int, Message] = {}
+
+    @property
+    def transaction_ids(self) -> list[str]:
+        return self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        index = range(len(self))[index]
+        copy = self._copies.get(index)
+        if copy is None:
+            msg = self._messages[index]
+            copy = object.__new__(Message)  # __dict__ copy: dataclass __init__ is slow here
+            copy.__dict__.update(
+                msg.__dict__, body=self._bodies[index],
+                properties=dict(msg.properties) if msg.properties else {},
+                transaction_id=self._ids[index], msg_id=self._ids[index],
+                half_offset=self.half_offsets[index], producer_group=self._group,
+                delay_level=0)  # RocketMQ clears delay levels of transactional messages
+            self._copies[index] = copy
+        return copy
+
+    def __repr__(self) -> str:
+        return f"StoredMessages({len(self)} messages of group {self._group!r})"
 
 
 __all__ = ["Broker", "PersistError", "validate_group"]

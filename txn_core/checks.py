@@ -115,14 +115,14 @@ class CheckAnswerer:
             if state.action:
                 decisions[req["request_id"]] = (req, state.action)
         won = self._record_answers(answers)
-        ops = [{"half_offset": req["half_offset"], "transaction_id": req["transaction_id"],
-                "producer_group": self._group, "action": action, "source": "CHECK",
-                "remark": f"check {rid}"}
-               for rid, (req, action) in decisions.items() if rid in won]
+        ops = [(req, action, rid) for rid, (req, action) in decisions.items() if rid in won]
         if ops:
             # If this fails the answer row exists but no OP: the message stays
             # pending and the job checks it again later — nothing is lost.
-            self._broker.store_ops(ops)
+            self._broker.store_ops([req["half_offset"] for req, _, _ in ops],
+                                   [req["transaction_id"] for req, _, _ in ops], self._group,
+                                   [action for _, action, _ in ops], "CHECK",
+                                   [f"check {rid}" for _, _, rid in ops])
         return len(won)
 
     def _record_answers(self, answers: list[dict]) -> set[str]:

@@ -120,39 +120,56 @@ def validate_message(msg: object, max_body_bytes: int, *, in_batch: bool = False
         raise MessageValidationError("message", f"must be a txn_core.Message, got "
                                      f"{type(msg).__name__}")
     validate_topic(msg.topic)
-    if msg.body is None:
+    _validate_fields(msg, max_body_bytes, in_batch)
+    return msg
+
+
+def _validate_fields(msg: Message, max_body_bytes: int, in_batch: bool) -> None:
+    """Everything but the topic. Plain type() tests first: this runs per message."""
+    body = msg.body
+    if type(body) is bytes:
+        size = len(body)
+    elif isinstance(body, (bytes, bytearray, memoryview)):
+        size = memoryview(body).nbytes
+    elif body is None:
         raise MessageValidationError("body", "must not be None")
-    if not isinstance(msg.body, (bytes, bytearray, memoryview)):
-        raise MessageValidationError("body", f"must be bytes, got {type(msg.body).__name__}")
-    size = len(bytes(msg.body))
+    else:
+        raise MessageValidationError("body", f"must be bytes, got {type(body).__name__}")
     if size == 0:
         raise MessageValidationError("body", "must not be empty")
     if size > max_body_bytes:
         raise MessageValidationError("body", f"is {size} bytes; the limit is {max_body_bytes}")
-    _optional_str(msg.keys, "keys")
-    _optional_str(msg.tags, "tags")
-    _int_field(msg.queue_id, "queue_id", 0, 2**31 - 1)
+    if msg.keys is not None and type(msg.keys) is not str:
+        _optional_str(msg.keys, "keys")
+    if msg.tags is not None and type(msg.tags) is not str:
+        _optional_str(msg.tags, "tags")
+    if type(msg.queue_id) is not int or not 0 <= msg.queue_id < 2**31:
+        _int_field(msg.queue_id, "queue_id", 0, 2**31 - 1)
     if msg.check_immunity_s is not None:
         _int_field(msg.check_immunity_s, "check_immunity_s", -(2**31), 2**31 - 1)
-    _int_field(msg.delay_level, "delay_level", 0, 2**31 - 1)
-    if in_batch and msg.delay_level:
-        raise MessageValidationError("delay_level", "a batch must not carry a delay level")
-    if msg.properties is not None:
-        if not isinstance(msg.properties, Mapping):
-            raise MessageValidationError("properties", f"must be a mapping of str to str, got "
-                                         f"{type(msg.properties).__name__}")
-        for key, value in msg.properties.items():
-            if not isinstance(key, str) or not key:
-                raise MessageValidationError("properties", f"key {key!r} must be a non-empty "
-                                             "string")
-            if not isinstance(value, str):
-                raise MessageValidationError(f"properties[{key!r}]", f"value must be a string, "
-                                             f"got {type(value).__name__}")
-            for text in (key, value):
-                if any(sep in text for sep in _PROPERTY_SEPARATORS):
-                    raise MessageValidationError(f"properties[{key!r}]", "must not contain "
-                                                 "the control characters \\x01 or \\x02")
-    return msg
+    if msg.delay_level:
+        _int_field(msg.delay_level, "delay_level", 0, 2**31 - 1)
+        if in_batch:
+            raise MessageValidationError("delay_level", "a batch must not carry a delay level")
+    if msg.properties:
+        _validate_properties(msg.properties)
+
+
+def _validate_properties(properties: object) -> None:
+    if not isinstance(properties, Mapping):
+        raise MessageValidationError("properties", f"must be a mapping of str to str, got "
+                                     f"{type(properties).__name__}")
+    for key, value in properties.items():
+        if not isinstance(key, str) or not key:
+            raise MessageValidationError("properties", f"key {key!r} must be a non-empty "
+                                         "string")
+        if not isinstance(value, str):
+            raise MessageValidationError(f"properties[{key!r}]", f"value must be a string, "
+                                         f"got {type(value).__name__}")
+        for text in (key, value):
+            if any(sep in text for sep in _PROPERTY_SEPARATORS):
+                raise MessageValidationError(f"properties[{key!r}]", "must not contain "
+                                             "the control characters \\x01 or \\x02")
 
 
 def validate_batch(messages: object, max_body_bytes: int) -> list[Message]:
@@ -161,16 +178,27 @@ def validate_batch(messages: object, max_body_bytes: int) -> list[Message]:
         raise MessageValidationError("messages", "must be a sequence of Message")
     if not messages:
         raise MessageValidationError("messages", "must not be empty")
+    first = messages[0]
+    if not isinstance(first, Message):
+        raise MessageValidationError("messages[0]", f"must be a txn_core.Message, got "
+                                     f"{type(first).__name__}")
+    topic = first.topic
+    try:
+        validate_topic(topic)  # once: every message must carry this same topic
+    except MessageValidationError as exc:
+        raise MessageValidationError(f"messages[0].{exc.field}", exc.problem) from None
     for i, msg in enumerate(messages):
+        if type(msg) is not Message and not isinstance(msg, Message):
+            raise MessageValidationError(f"messages[{i}]", f"must be a txn_core.Message, got "
+                                         f"{type(msg).__name__}")
+        if msg.topic != topic:
+            raise MessageValidationError("messages", f"a batch must share one topic; "
+                                         f"messages[{i}] has {msg.topic!r}, not {topic!r}")
         try:
-            validate_message(msg, max_body_bytes, in_batch=True)
+            _validate_fields(msg, max_body_bytes, in_batch=True)
         except MessageValidationError as exc:
             raise MessageValidationError(f"messages[{i}].{exc.field}", exc.problem) from None
-    topics = {m.topic for m in messages}
-    if len(topics) > 1:
-        raise MessageValidationError("messages", f"a batch must share one topic; got "
-                                     f"{sorted(topics)}")
-    return list(messages)
+    return messages
 
 
 @dataclass

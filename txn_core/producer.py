@@ -6,7 +6,7 @@ import logging
 import threading
 from typing import Any, Sequence
 
-from txn_core.broker import Broker
+from txn_core.broker import Broker, StoredMessages
 from txn_core.checks import CheckAnswerer
 from txn_core.errors import NoListenerError, PersistError
 from txn_core.message import (BatchSendResult, LocalTransactionState, Message, SendResult,
@@ -62,11 +62,11 @@ class TransactionProducer:
         """
         listener = self._require_listener()
         validate_message(msg, self.broker.config.max_body_bytes)
-        stored = self.broker.store_halves(self.group, [msg])[0]
-        state, error = _execute(listener, stored, arg)
-        result = SendResult(transaction_id=stored.transaction_id, msg_id=stored.msg_id,
-                            half_offset=stored.half_offset, local_state=state, error=error)
-        result.op_written, result.op_error = self._report(state, [stored])
+        stored = self.broker.store_halves(self.group, [msg])
+        state, error = _execute(listener, stored[0], arg)
+        result = SendResult(transaction_id=stored[0].transaction_id, msg_id=stored[0].msg_id,
+                            half_offset=stored[0].half_offset, local_state=state, error=error)
+        result.op_written, result.op_error = self._report(state, stored)
         return result
 
     def send_batch_in_transaction(self, messages: Sequence[Message],
@@ -74,30 +74,28 @@ class TransactionProducer:
         """Store all half rows in one commit, decide them with one local transaction.
 
         `execute_local_transaction(batch, arg)` receives the stored messages
-        (ids filled in); its one decision is written as one OP per message,
+        as a sequence (ids filled in, each a copy); its one decision is written as one OP per message,
         in one commit. Checks stay per message.
         """
         listener = self._require_listener()
         validate_batch(messages, self.broker.config.max_body_bytes)
-        stored = self.broker.store_halves(self.group, list(messages))
+        stored = self.broker.store_halves(self.group, messages)
         state, error = _execute(listener, stored, arg)
-        result = BatchSendResult(transaction_ids=[m.transaction_id for m in stored],
-                                 msg_ids=[m.msg_id for m in stored],
-                                 half_offsets=[m.half_offset for m in stored],
+        result = BatchSendResult(transaction_ids=list(stored.transaction_ids),
+                                 msg_ids=list(stored.transaction_ids),
+                                 half_offsets=list(stored.half_offsets),
                                  local_state=state, error=error)
         result.op_written, result.op_error = self._report(state, stored)
         return result
 
     def _report(self, state: LocalTransactionState,
-                stored: list[Message]) -> tuple[bool, BaseException | None]:
+                stored: StoredMessages) -> tuple[bool, BaseException | None]:
         """Write the decision's OP rows; a failure is returned, not raised (SPEC §3.4)."""
         if state.action is None:
             return False, None
         try:
-            self.broker.store_ops([{"half_offset": m.half_offset,
-                                    "transaction_id": m.transaction_id,
-                                    "producer_group": self.group, "action": state.action,
-                                    "source": "PRODUCER", "remark": None} for m in stored])
+            self.broker.store_ops(stored.half_offsets, stored.transaction_ids, self.group,
+                                  state.action, "PRODUCER")
         except PersistError as exc:
             log.warning("OP for %d message(s) of group %s not written (%s); the back-check "
                         "will settle them", len(stored), self.group, exc)
