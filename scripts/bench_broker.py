@@ -49,7 +49,7 @@ class BenchListener(TransactionListener):
         self.cr, self.cu = check_rollback_rate, check_unknown_rate
 
     def execute_local_transaction(self, msg, arg):
-        first = msg[0] if isinstance(msg, list) else msg
+        first = msg if isinstance(msg, Message) else msg[0]  # a batch is a sequence
         return (COMMIT, ROLLBACK, UNKNOWN)[first.body[0]]
 
     def check_local_transaction(self, msg):

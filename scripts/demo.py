@@ -42,7 +42,7 @@ class OrderService(TransactionListener):
     """Stands in for a service with a local database: the outcome per order id."""
 
     def execute_local_transaction(self, msg, arg):
-        if isinstance(msg, list):  # the invoice batch: one local transaction for all
+        if not isinstance(msg, Message):  # the invoice batch: one local transaction for all
             return COMMIT
         return SCENARIO[msg.keys][0]
 
