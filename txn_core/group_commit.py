@@ -110,19 +110,24 @@ class GroupCommitWriter:
             fut.set_result(version)
 
     def _build(self, batch: list[tuple[dict, Future]]) -> pa.Table:
+        if len(batch) == 1:
+            return to_arrow(self._schema, batch[0][0], self._stamp, self._clock())
         names = [n for n in self._schema.names if n != self._stamp]
         merged: dict[str, list] = {n: [] for n in names}
         for columns, _ in batch:
             for n in names:
                 merged[n].extend(columns[n])
-        size = len(merged[names[0]])
-        arrays = []
-        for f in self._schema:
-            if f.name == self._stamp:
-                arrays.append(pa.array([self._clock()] * size, type=f.type))
-            else:
-                arrays.append(pa.array(merged[f.name], type=f.type))
-        return pa.Table.from_arrays(arrays, schema=self._schema)
+        return to_arrow(self._schema, merged, self._stamp, self._clock())
+
+
+def to_arrow(schema: pa.Schema, columns: dict[str, list], stamp_column: str | None,
+             stamp: int) -> pa.Table:
+    """Arrow columns built directly from Python lists (no per-row dicts);
+    `stamp_column` gets `stamp`, the durable-write time, in every row."""
+    size = len(next(iter(columns.values())))
+    arrays = [pa.array([stamp] * size, type=f.type) if f.name == stamp_column
+              else pa.array(columns[f.name], type=f.type) for f in schema]
+    return pa.Table.from_arrays(arrays, schema=schema)
 
 
 class DirectWriter:
@@ -152,10 +157,8 @@ class DirectWriter:
             table = self._local.table = DeltaTable(self._uri,
                                                    storage_options=self._storage_options)
         size = len(next(iter(columns.values())))
-        arrays = [pa.array([self._clock()] * size, type=f.type) if f.name == self._stamp
-                  else pa.array(columns[f.name], type=f.type) for f in self._schema]
         try:
-            write_deltalake(table, pa.Table.from_arrays(arrays, schema=self._schema),
+            write_deltalake(table, to_arrow(self._schema, columns, self._stamp, self._clock()),
                             mode="append", commit_properties=_COMMIT)
         except Exception as exc:  # noqa: BLE001 - reported like the group writer does
             error = PersistError(f"could not append {size} row(s) to {self._name}: {exc}")

@@ -68,36 +68,33 @@ class Message:
     producer_group: str | None = field(default=None, repr=False)
 
 
-def validate_topic(topic: object, field_name: str = "topic") -> str:
-    if not isinstance(topic, str):
-        raise MessageValidationError(field_name, f"must be a string, got {type(topic).__name__}")
-    if not topic:
+def _validate_name(value: object, field_name: str, max_len: int, kind: str,
+                   system: bool) -> str:
+    """RocketMQ's Validators rules shared by topic and group names."""
+    if not isinstance(value, str):
+        raise MessageValidationError(field_name, f"must be a string, got {type(value).__name__}")
+    if not value:
         raise MessageValidationError(field_name, "must not be empty")
-    if len(topic) > TOPIC_MAX_LEN:
-        raise MessageValidationError(field_name, f"is {len(topic)} characters; at most "
-                                     f"{TOPIC_MAX_LEN} are allowed")
-    if not _NAME_RE.match(topic):
-        raise MessageValidationError(field_name, f"{topic!r} contains characters outside "
+    if len(value) > max_len:
+        raise MessageValidationError(field_name, f"is {len(value)} characters; at most "
+                                     f"{max_len} are allowed")
+    if not _NAME_RE.match(value):
+        raise MessageValidationError(field_name, f"{value!r} contains characters outside "
                                      "[A-Za-z0-9_%|-]")
-    if topic in _SYSTEM_TOPICS or topic.lower().startswith(_SYSTEM_PREFIXES):
-        raise MessageValidationError(field_name, f"{topic!r} is a system topic name")
-    return topic
+    if system:
+        raise MessageValidationError(field_name, f"{value!r} is a system {kind} name")
+    return value
+
+
+def validate_topic(topic: object, field_name: str = "topic") -> str:
+    system = isinstance(topic, str) and (topic in _SYSTEM_TOPICS
+                                         or topic.lower().startswith(_SYSTEM_PREFIXES))
+    return _validate_name(topic, field_name, TOPIC_MAX_LEN, "topic", system)
 
 
 def validate_group(group: object, field_name: str = "producer_group") -> str:
-    if not isinstance(group, str):
-        raise MessageValidationError(field_name, f"must be a string, got {type(group).__name__}")
-    if not group:
-        raise MessageValidationError(field_name, "must not be empty")
-    if len(group) > GROUP_MAX_LEN:
-        raise MessageValidationError(field_name, f"is {len(group)} characters; at most "
-                                     f"{GROUP_MAX_LEN} are allowed")
-    if not _NAME_RE.match(group):
-        raise MessageValidationError(field_name, f"{group!r} contains characters outside "
-                                     "[A-Za-z0-9_%|-]")
-    if group.lower().startswith(_SYSTEM_GROUP_PREFIXES):
-        raise MessageValidationError(field_name, f"{group!r} is a system group name")
-    return group
+    system = isinstance(group, str) and group.lower().startswith(_SYSTEM_GROUP_PREFIXES)
+    return _validate_name(group, field_name, GROUP_MAX_LEN, "group", system)
 
 
 def _optional_str(value: object, field_name: str) -> None:
