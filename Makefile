@@ -5,7 +5,7 @@ PYTHON ?= python3
 .PHONY: setup demo test bench
 
 setup:
-	$(PYTHON) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PYTHON) -m pip install -q --disable-pip-version-check --root-user-action=ignore -e '.[test]'
 	mvn -q -B -f pom.xml dependency:resolve
 
 demo: setup
