@@ -149,6 +149,16 @@ PRODUCERS = TableSchema(
 
 # --- the job's private state -------------------------------------------------
 
+# Counters of one run (SPEC §5.3), kept as columns of `_sys/runs` so they can be
+# queried with SQL; `summary_json` holds the same summary verbatim.
+RUN_COUNTERS = ("half_read", "op_read", "pending_before", "pending_after", "committed",
+                "rolled_back", "check_requests", "discarded_max_checks",
+                "discarded_expired", "duplicate_ops", "conflicting_ops", "invalid_ops",
+                "late_ops", "rejected_halves", "oldest_pending_age_ms", "duration_ms")
+
+# Two rows per run: STARTED (the intent: everything needed to redo the run
+# identically) and COMMITTED (the same plus the summary). A run is complete
+# when its COMMITTED row exists.
 RUNS = TableSchema(
     "_sys/runs",
     _cols(
@@ -164,7 +174,12 @@ RUNS = TableSchema(
         ("prev_half_version", "bigint", False),
         ("prev_op_version", "bigint", False),
         ("prev_answers_version", "bigint", False),
-        ("state_run_number", "bigint", False),
+        # versions of the job's own state tables the run reads (time travel on redo)
+        ("state_versions", "map<string,bigint>", False),
+        # the rule settings the run used, so a redo applies the same ones
+        ("rules_json", "string", False),
+        *[(name, "bigint") for name in RUN_COUNTERS],
+        ("delivered_by_topic", "map<string,bigint>"),
         ("summary_json", "string"),
     ),
 )

@@ -1,0 +1,33 @@
+"""Injectable crash points, so tests can kill a run between any two writes (I4).
+
+`TXN_FAULT_AT=<step>` names the step at which the run dies. By default the
+run raises `InjectedFault` (in-process tests; the job treats it like a crash
+and leaves its lease behind); with `TXN_FAULT_MODE=exit` the process ends
+at once with `os._exit(FAULT_EXIT_CODE)`, as a kill would: no `finally`,
+no lease release, no flushing.
+
+Steps, in order: `after_lease`, `after_intent`, `after:<table path>` after
+each output write (e.g. `after:topics/ORDER`, `after:_sys/pending`),
+`after_commit` (the COMMITTED row is written, the lease not yet released).
+"""
+from __future__ import annotations
+
+import os
+
+FAULT_EXIT_CODE = 97
+
+#: every step passed in this process, in order (tests enumerate the kill points from it)
+SEEN: list[str] = []
+
+
+class InjectedFault(RuntimeError):
+    """A crash simulated at a named step."""
+
+
+def fault_point(step: str) -> None:
+    SEEN.append(step)
+    if os.environ.get("TXN_FAULT_AT") != step:
+        return
+    if os.environ.get("TXN_FAULT_MODE") == "exit":
+        os._exit(FAULT_EXIT_CODE)
+    raise InjectedFault(f"fault injected at step {step!r}")

@@ -1,0 +1,139 @@
+"""One run at a time: a lease committed through delta-rs on `_sys/lease` (exit 75).
+
+Each lease change overwrites the table with one row (holder, expiry) in a
+commit made with `max_commit_retries=0`: a Delta commit is a put-if-absent of
+the next log version, so of two runners that read the same version, exactly
+one commits; the other gets `CommitFailedError` and backs off. A lease held
+by a crashed run expires after `lease_ttl_s` of wall-clock time (never
+`now_ms`, which a run may set to any instant), or at once when its holder
+ran on this host and its process is gone.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+import pyarrow as pa
+from deltalake import CommitProperties, write_deltalake
+from deltalake.exceptions import CommitFailedError, DeltaError
+
+from schemas import LEASE
+from schemas.arrow import arrow_schema
+from txn_core.tables import lease_table
+
+EXIT_LEASE_HELD = 75
+
+
+class LeaseHeld(RuntimeError):
+    """Another run holds the lease, or won the race for it: retry later."""
+
+
+class LeaseLost(RuntimeError):
+    """This run's lease expired and someone else took it: stop writing."""
+
+
+@dataclass(frozen=True)
+class LeaseRow:
+    holder: str
+    host: str
+    pid: int
+    action: str
+    wall_ms: int
+    expires_ms: int
+
+
+class Lease:
+    def __init__(self, warehouse: str, ttl_s: int, *, clock: Callable[[], float] = time.time,
+                 storage_options: dict[str, str] | None = None):
+        self.warehouse = warehouse
+        self.ttl_ms = ttl_s * 1000
+        self.clock = clock
+        self.storage_options = storage_options
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+        self.held = False
+        self._renewed_ms = 0
+
+    def _now_ms(self) -> int:
+        return int(self.clock() * 1000)
+
+    def _read(self):
+        table = lease_table(self.warehouse, self.storage_options)
+        rows = table.to_pyarrow_table().to_pylist()
+        return table, (LeaseRow(**rows[-1]) if rows else None)
+
+    def _blocking(self, row: LeaseRow | None) -> bool:
+        """Does `row` keep us out?"""
+        if row is None or row.action == "RELEASE" or row.holder == self.holder:
+            return False
+        if row.expires_ms <= self._now_ms():
+            return False
+        return not _dead_local_process(row)
+
+    def _write(self, table, action: str, expires_ms: int) -> None:
+        now = self._now_ms()
+        data = pa.Table.from_pylist([{
+            "holder": self.holder, "host": socket.gethostname(), "pid": os.getpid(),
+            "action": action, "wall_ms": now, "expires_ms": expires_ms}],
+            schema=arrow_schema(LEASE))
+        write_deltalake(table, data, mode="overwrite",
+                        commit_properties=CommitProperties(max_commit_retries=0))
+
+    def acquire(self) -> "Lease":
+        table, row = self._read()
+        if self._blocking(row):
+            raise LeaseHeld(f"another run holds the job's lease: {row.holder} (host {row.host}, "
+                            f"pid {row.pid}) until {row.expires_ms} ms; retry later")
+        try:
+            self._write(table, "ACQUIRE", self._now_ms() + self.ttl_ms)
+        except (CommitFailedError, DeltaError) as exc:
+            raise LeaseHeld(f"another run took the job's lease first ({exc}); retry later") from exc
+        self.held = True
+        self._renewed_ms = self._now_ms()
+        return self
+
+    def keep_alive(self) -> None:
+        """Renew once a third of the ttl has passed; fail if the lease was taken over."""
+        if not self.held or self._now_ms() - self._renewed_ms < self.ttl_ms // 3:
+            return
+        table, row = self._read()
+        if row is None or row.holder != self.holder:
+            self.held = False
+            raise LeaseLost(f"the job's lease was taken over by {row.holder if row else 'nobody'}"
+                            " while this run was writing; its intent will be redone")
+        try:
+            self._write(table, "RENEW", self._now_ms() + self.ttl_ms)
+        except (CommitFailedError, DeltaError) as exc:
+            self.held = False
+            raise LeaseLost(f"lost the job's lease while renewing it: {exc}") from exc
+        self._renewed_ms = self._now_ms()
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        table, row = self._read()
+        if row is None or row.holder != self.holder:
+            return
+        try:
+            self._write(table, "RELEASE", self._now_ms())
+        except (CommitFailedError, DeltaError):
+            pass  # someone else moved on; an unreleased lease only expires later
+
+    def current(self) -> LeaseRow | None:
+        return self._read()[1]
+
+
+def _dead_local_process(row: LeaseRow) -> bool:
+    if row.host != socket.gethostname() or row.pid == os.getpid():
+        return False
+    try:
+        os.kill(row.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False

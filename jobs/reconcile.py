@@ -1,0 +1,488 @@
+"""The reconciliation job (SPEC §5): resolve, deliver, check, discard — exactly once.
+
+    spark-submit jobs/reconcile.py run --conf conf/reconcile.toml [--now-ms N] [--dry-run]
+    python -m jobs.reconcile status|verify|resolve ...
+    from jobs.reconcile import reconcile; reconcile(spark, config, now_ms=None)
+
+A run, under the job's lease (exit 75 when another run holds it):
+  1. if the latest run has an intent but no COMMITTED record, redo exactly
+     that run (same input versions, state versions, clock and rules);
+  2. record the new run's intent (STARTED row of `_sys/runs`);
+  3. compute its outputs (`jobs.transforms`), write each table with Delta's
+     idempotent writes keyed by the run number, then the COMMITTED row.
+A crash between any two writes leaves an intent that step 1 completes, and
+the writes that did commit are skipped by Delta on the redo (I4).
+
+`--dry-run` computes the run that would be done next (the redo if one is
+due) and prints its summary; it takes no lease and writes nothing, not even
+missing tables.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file by spark-submit: make `jobs`, `schemas`, … importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from jobs import state  # noqa: E402
+from jobs import transforms as T  # noqa: E402
+from jobs.faults import InjectedFault, fault_point  # noqa: E402
+from jobs.lease import EXIT_LEASE_HELD, Lease, LeaseHeld  # noqa: E402
+from schemas import (CHECK_REQUESTS, DISCARD, HALF, PENDING, QUEUES, REJECTED,  # noqa: E402
+                     RESOLVED, table_path)
+from txn_core.config import Config, ConfigError, as_config, load_config  # noqa: E402
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+#: above this many OPs for messages no longer pending, look them up by a join, not IN (...)
+HISTORY_IN_LIST_MAX = 10_000
+
+
+@dataclass
+class RunSummary:
+    """SPEC §5.3 counters of one run, plus the input versions it read."""
+
+    run_id: str
+    now_ms: int
+    half_read: int
+    op_read: int
+    pending_before: int
+    pending_after: int
+    committed: int
+    rolled_back: int
+    check_requests: int
+    discarded_max_checks: int
+    discarded_expired: int
+    duplicate_ops: int
+    conflicting_ops: int
+    invalid_ops: int
+    late_ops: int
+    delivered_by_topic: dict[str, int]
+    oldest_pending_age_ms: int | None
+    duration_ms: int
+    run_number: int
+    half_version: int
+    op_version: int
+    answers_version: int
+    prev_half_version: int
+    prev_op_version: int
+    prev_answers_version: int
+    rejected_halves: int = 0
+    dry_run: bool = False
+    #: run_id of an interrupted run this invocation completed first, if any
+    redone_run_id: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=False)
+
+
+# --- notebook / library entry point -----------------------------------------
+
+def reconcile(spark, config: Config | dict, now_ms: int | None = None, *,
+              dry_run: bool = False, lease: Lease | None = None,
+              clock=time.time) -> RunSummary:
+    """Run the job once (after completing an interrupted run, if any).
+
+    `now_ms` fixes the clock of every time rule (default: the wall clock).
+    `lease`: one already acquired by the caller (the CLI takes it before
+    starting Spark); otherwise the run acquires and releases its own, with
+    `clock` as the lease's wall clock. Raises LeaseHeld when another run
+    holds the lease.
+    """
+    cfg = as_config(config)
+    if now_ms is not None and (not isinstance(now_ms, int) or now_ms < 0):
+        raise ConfigError(f"now_ms must be a non-negative integer (ms); got {now_ms!r}")
+    if dry_run:
+        return _dry_run(spark, cfg, now_ms)
+    own = lease is None
+    if own:
+        lease = Lease(cfg.warehouse, cfg.lease_ttl_s, clock=clock).acquire()
+    crashed = False
+    try:
+        fault_point("after_lease")
+        return _locked_run(spark, cfg, now_ms, lease)
+    except InjectedFault:
+        crashed = True  # behave as a killed process: the lease stays until it expires
+        raise
+    finally:
+        if own and not crashed:
+            lease.release()
+
+
+def recover(spark, config: Config | dict, *, clock=time.time) -> RunSummary | None:
+    """Only complete an interrupted run, if there is one (its summary, else None)."""
+    cfg = as_config(config)
+    lease = Lease(cfg.warehouse, cfg.lease_ttl_s, clock=clock).acquire()
+    try:
+        _ensure_tables(spark, cfg.warehouse)
+        last = state.last_run(spark, cfg.warehouse)
+        if last is None or last.status != state.STARTED:
+            return None
+        return _execute(spark, cfg.warehouse, last, lease).summary
+    finally:
+        lease.release()
+
+
+def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSummary:
+    wh = cfg.warehouse
+    _ensure_tables(spark, wh)
+    last = state.last_run(spark, wh)
+    redone = None
+    if last is not None and last.status == state.STARTED:
+        # Same input versions, state versions, clock and rules as the first
+        # attempt: the writes it made are skipped, the others done.
+        last = _execute(spark, wh, last, lease).record
+        redone = last.run_id
+    intent = _new_intent(spark, wh, last, cfg, now_ms)
+    state.write_run_record(spark, wh, intent)
+    fault_point("after_intent")
+    summary = _execute(spark, wh, intent, lease).summary
+    summary.redone_run_id = redone
+    return summary
+
+
+def _dry_run(spark, cfg: Config, now_ms: int | None) -> RunSummary:
+    last = state.last_run(spark, cfg.warehouse)
+    record = (last if last is not None and last.status == state.STARTED
+              else _new_intent(spark, cfg.warehouse, last, cfg, now_ms))
+    summary = _execute(spark, cfg.warehouse, record, lease=None, write=False).summary
+    summary.dry_run = True
+    return summary
+
+
+def _ensure_tables(spark, warehouse: str) -> None:
+    if not state.is_delta(spark, table_path(warehouse, HALF)):
+        from txn_core.tables import ensure_broker_tables
+        ensure_broker_tables(warehouse)
+    state.ensure_job_tables(spark, warehouse)
+
+
+def _new_intent(spark, wh: str, last: state.RunRecord | None, cfg: Config,
+                now_ms: int | None) -> state.RunRecord:
+    paths = state.input_paths(wh)
+    # OPs first, halves after: every OP read then has its half in the half
+    # snapshot, because a producer writes an OP only after its half is durable.
+    op_v = state.latest_version(spark, paths["op"])
+    half_v = state.latest_version(spark, paths["half"])
+    answers_v = state.latest_version(spark, paths["answers"])
+    versions = {t.path: state.latest_version(spark, table_path(wh, t))
+                for t in state.STATE_TABLES}
+    number = (last.run_number if last else 0) + 1
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    run_id = f"run-{number:08d}-{now}"
+    rules = T.Rules.from_config(cfg, run_id=run_id, run_number=number, now_ms=now)
+    nothing = state.NO_VERSION
+    return state.RunRecord(
+        run_id=run_id, run_number=number, status=state.STARTED, now_ms=now,
+        started_ms=int(time.time() * 1000),
+        half_version=half_v, op_version=op_v, answers_version=answers_v,
+        prev_half_version=last.half_version if last else nothing,
+        prev_op_version=last.op_version if last else nothing,
+        prev_answers_version=last.answers_version if last else nothing,
+        state_versions=versions, rules_json=rules.to_json())
+
+
+# --- one run ---------------------------------------------------------------
+
+@dataclass
+class _Outputs:
+    delivered: object
+    requests: object
+    discards: object
+    resolved: object
+    rejected: object
+    queues: object
+    pending: object
+    counts: dict = field(default_factory=dict)
+    delivered_by_topic: dict = field(default_factory=dict)
+    cached: list = field(default_factory=list)
+
+
+@dataclass
+class _Executed:
+    record: state.RunRecord
+    summary: RunSummary
+
+
+def _execute(spark, wh: str, record: state.RunRecord, lease: Lease | None,
+             write: bool = True) -> _Executed:
+    started = time.time()
+    rules = T.Rules.from_json(record.rules_json)
+    out = _compute(spark, wh, record, rules)
+    try:
+        if write:
+            _write_outputs(spark, wh, record, out, lease)
+        summary = _summary(record, out, int((time.time() - started) * 1000))
+        if write:
+            record = _commit(spark, wh, record, summary)
+        return _Executed(record, summary)
+    finally:
+        for df in out.cached:
+            df.unpersist()
+
+
+def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules) -> _Outputs:
+    paths = state.input_paths(wh)
+    ops = state.added_rows(spark, paths["op"], state.OP, record.prev_op_version,
+                           record.op_version).cache()
+    half = state.added_rows(spark, paths["half"], HALF, record.prev_half_version,
+                            record.half_version)
+    answers = state.added_rows(spark, paths["answers"], state.CHECK_ANSWERS,
+                               record.prev_answers_version, record.answers_version)
+    pending_prev = state.read_state(spark, wh, record.state_versions, PENDING)
+    queues = state.read_state(spark, wh, record.state_versions, QUEUES)
+
+    accepted, rejected_halves = T.split_halves(half, rules)
+    live = T.live_messages(pending_prev, accepted, rules).cache()
+    resolved_hist, discard_hist = _history_for(spark, wh, record, ops, live)
+    targets = T.op_targets(live, T.history_targets(resolved_hist, discard_hist))
+    classified = T.classify_ops(ops, targets).cache()
+    messages = T.conform(live, HALF).unionByName(T.conform(discard_hist, HALF))
+    won = T.winners(classified, messages).cache()
+    delivered = T.deliveries(won, queues, rules).cache()
+    remaining = T.apply_answers(T.remaining_pending(live, won), answers)
+    decided = T.decide(remaining, rules).cache()
+
+    out = _Outputs(
+        delivered=delivered,
+        requests=T.check_requests(decided, rules),
+        discards=T.discards(decided, rules),
+        resolved=T.resolved_rows(won, rules),
+        rejected=rejected_halves.unionByName(T.op_rejections(classified, rules)),
+        queues=T.next_queues(queues, delivered, rules),
+        pending=T.next_pending(decided, rules),
+        cached=[ops, live, classified, won, delivered, decided])
+    _count(out, half, ops, answers, pending_prev, classified, decided)
+    return out
+
+
+def _history_for(spark, wh: str, record: state.RunRecord, ops, live):
+    """Resolved and discarded rows for OPs that match no live message.
+
+    Usually there are none and the history is not read at all; otherwise only
+    the files whose statistics may hold those offsets are read.
+    """
+    keys = [r[0] for r in T.unmatched_op_keys(ops, live).collect()]
+    resolved = state.read_state(spark, wh, record.state_versions, RESOLVED)
+    discarded = state.read_state(spark, wh, record.state_versions, DISCARD)
+    if not keys:
+        return (state.empty(spark, RESOLVED), state.empty(spark, DISCARD))
+    if len(keys) <= HISTORY_IN_LIST_MAX:
+        return (resolved.where(resolved.half_offset.isin(keys)),
+                discarded.where(discarded.half_offset.isin(keys)))
+    wanted = spark.createDataFrame([(k,) for k in keys], "half_offset bigint")
+    return (resolved.join(wanted, "half_offset", "left_semi"),
+            discarded.join(wanted, "half_offset", "left_semi"))
+
+
+def _count(out: _Outputs, half, ops, answers, pending_prev, classified, decided) -> None:
+    from pyspark.sql import functions as F
+    c = out.counts
+    halves = half.select(T.half_reject_reason().isNotNull().alias("bad")).agg(
+        F.count(F.lit(1)).alias("n"), F.sum(F.col("bad").cast("int")).alias("bad")).first()
+    c["half_read"], c["rejected_halves"] = halves["n"], halves["bad"] or 0
+    c["answers_read"] = answers.count()
+    c["pending_before"] = pending_prev.count()
+    outcomes = {(r["outcome"], r["action"]): r["n"] for r in
+                classified.groupBy("outcome", "action").agg(F.count(F.lit(1)).alias("n"))
+                .collect()}
+    total = lambda outcome: sum(n for (o, _), n in outcomes.items() if o == outcome)  # noqa: E731
+    c["op_read"] = sum(outcomes.values())
+    c["committed"] = outcomes.get((T.WIN, "COMMIT"), 0)
+    c["rolled_back"] = outcomes.get((T.WIN, "ROLLBACK"), 0)
+    c["duplicate_ops"], c["conflicting_ops"] = total(T.DUPLICATE), total(T.CONFLICT)
+    c["invalid_ops"], c["late_ops"] = total(T.INVALID), total(T.LATE)
+    decisions = {r["decision"]: r for r in decided.groupBy("decision").agg(
+        F.count(F.lit(1)).alias("n"), F.max("age_ms").alias("oldest")).collect()}
+    n = lambda d: decisions[d]["n"] if d in decisions else 0  # noqa: E731
+    c["check_requests"] = n(T.CHECK)
+    c["discarded_max_checks"], c["discarded_expired"] = n(T.MAX_CHECKS), n(T.EXPIRED)
+    c["pending_after"] = n(T.CHECK) + n(T.WAIT)
+    ages = [decisions[d]["oldest"] for d in (T.CHECK, T.WAIT) if d in decisions]
+    c["oldest_pending_age_ms"] = max(ages) if ages else None
+    out.delivered_by_topic = {r["topic"]: r["n"] for r in out.delivered.groupBy("topic")
+                              .agg(F.count(F.lit(1)).alias("n")).orderBy("topic").collect()}
+
+
+def _write_outputs(spark, wh: str, record: state.RunRecord, out: _Outputs,
+                   lease: Lease | None) -> None:
+    n, c = record.run_number, out.counts
+
+    def put(df, table_path_, app, mode="append"):
+        state.write_idempotent(df, table_path_, n, app, mode=mode)
+        fault_point(f"after:{app}")
+        if lease is not None:
+            lease.keep_alive()
+
+    for topic in sorted(out.delivered_by_topic):
+        path = state.ensure_topic_table(spark, wh, topic)
+        put(out.delivered.where(out.delivered.topic == topic).drop("topic"), path,
+            f"topics/{topic}")
+    if c["check_requests"]:
+        put(out.requests, table_path(wh, CHECK_REQUESTS), CHECK_REQUESTS.path)
+    if c["discarded_max_checks"] or c["discarded_expired"]:
+        put(out.discards, table_path(wh, DISCARD), DISCARD.path)
+    if c["committed"] or c["rolled_back"]:
+        put(out.resolved, table_path(wh, RESOLVED), RESOLVED.path)
+    if c["rejected_halves"] or c["invalid_ops"] or c["late_ops"]:
+        put(out.rejected, table_path(wh, REJECTED), REJECTED.path)
+    if out.delivered_by_topic:
+        put(out.queues, table_path(wh, QUEUES), QUEUES.path, mode="overwrite")
+    if _pending_changed(c):
+        put(out.pending, table_path(wh, PENDING), PENDING.path, mode="overwrite")
+
+
+def _pending_changed(c: dict) -> bool:
+    """Whether the pending set differs from the one read (else keep the table as is)."""
+    return any(c[k] for k in ("half_read", "committed", "rolled_back", "check_requests",
+                              "discarded_max_checks", "discarded_expired", "answers_read"))
+
+
+def _summary(record: state.RunRecord, out: _Outputs, duration_ms: int) -> RunSummary:
+    c = out.counts
+    names = {f.name for f in fields(RunSummary)}
+    values = {k: v for k, v in c.items() if k in names}
+    return RunSummary(
+        run_id=record.run_id, now_ms=record.now_ms, delivered_by_topic=out.delivered_by_topic,
+        duration_ms=duration_ms, run_number=record.run_number,
+        half_version=record.half_version, op_version=record.op_version,
+        answers_version=record.answers_version, prev_half_version=record.prev_half_version,
+        prev_op_version=record.prev_op_version,
+        prev_answers_version=record.prev_answers_version, **values)
+
+
+def _commit(spark, wh: str, record: state.RunRecord, summary: RunSummary) -> state.RunRecord:
+    d = summary.to_dict()
+    done = state.RunRecord(**{**record.__dict__, "status": state.COMMITTED,
+                              "ended_ms": int(time.time() * 1000),
+                              "counters": d, "delivered_by_topic": summary.delivered_by_topic,
+                              "summary_json": summary.to_json()})
+    state.write_run_record(spark, wh, done)
+    fault_point("after_commit")
+    return done
+
+
+# --- command line ------------------------------------------------------------
+
+_RULE_FLAGS = ("transaction_timeout_ms", "check_max", "check_interval_ms", "reserved_hours",
+               "max_checks_per_run", "check_budget", "lease_ttl_s")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--conf", help="TOML configuration file (SPEC §4)")
+    common.add_argument("--warehouse", help="root of all tables (overrides file and env)")
+    for key in _RULE_FLAGS:
+        kind = str if key == "check_budget" else int
+        common.add_argument("--" + key.replace("_", "-"), type=kind, default=None,
+                            help=f"override configuration key {key}")
+    parser = argparse.ArgumentParser(
+        prog="txn-reconcile",
+        description="Reconciliation job for transactional messages on Delta Lake")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", parents=[common], help="one reconciliation run")
+    run.add_argument("--now-ms", type=int, help="the clock of every time rule (ms)")
+    run.add_argument("--dry-run", action="store_true",
+                     help="compute and print the summary; write nothing, take no lease")
+    status = sub.add_parser("status", parents=[common], help="report the pending set")
+    status.add_argument("--now-ms", type=int, help="the clock for pending ages (ms)")
+    sub.add_parser("verify", parents=[common], help="full audit of the tables (SPEC §6)")
+    resolve = sub.add_parser("resolve", parents=[common],
+                             help="operator decision for one transaction (an ADMIN OP)")
+    resolve.add_argument("--transaction-id", required=True)
+    decision = resolve.add_mutually_exclusive_group(required=True)
+    decision.add_argument("--commit", action="store_true")
+    decision.add_argument("--rollback", action="store_true")
+    resolve.add_argument("--remark")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_config(args.conf, warehouse=args.warehouse,
+                          **{k: getattr(args, k) for k in _RULE_FLAGS})
+        return _COMMANDS[args.command](args, cfg)
+    except ConfigError as exc:
+        return _fail(EXIT_USAGE, f"bad configuration: {exc}")
+    except LeaseHeld as exc:
+        return _fail(EXIT_LEASE_HELD, str(exc))
+    except Exception as exc:  # noqa: BLE001 — the exit code contract: 1 and the reason
+        return _fail(EXIT_FAILURE, f"{type(exc).__name__}: {exc}")
+
+
+def _fail(code: int, message: str) -> int:
+    print(f"txn-reconcile: {message}", file=sys.stderr)
+    return code
+
+
+def _spark():
+    from jobs.session import build_spark
+    return build_spark("txn-reconcile")
+
+
+def _cmd_run(args, cfg: Config) -> int:
+    if args.now_ms is not None and args.now_ms < 0:
+        raise ConfigError(f"--now-ms must be a non-negative integer; got {args.now_ms}")
+    # The lease comes before Spark starts, so an overlapping run exits 75 in a second.
+    lease = None if args.dry_run else Lease(cfg.warehouse, cfg.lease_ttl_s).acquire()
+    crashed = False
+    try:
+        spark = _spark()
+        summary = reconcile(spark, cfg, args.now_ms, dry_run=args.dry_run, lease=lease)
+    except InjectedFault:
+        crashed = True
+        raise
+    finally:
+        if lease is not None and not crashed:
+            lease.release()
+    print(summary.to_json(), flush=True)
+    return EXIT_OK
+
+
+def _cmd_status(args, cfg: Config) -> int:
+    from jobs.status import status
+    report = status(_spark(), cfg, now_ms=args.now_ms)
+    print(json.dumps(report.to_dict()), flush=True)
+    return EXIT_OK
+
+
+def _cmd_verify(args, cfg: Config) -> int:
+    from jobs.verify import verify
+    report = verify(_spark(), cfg)
+    print(json.dumps(report.to_dict(), default=str), flush=True)
+    readable = getattr(report, "to_text", None)
+    print(readable() if callable(readable) else str(report), file=sys.stderr)
+    return EXIT_OK if report.ok else EXIT_FAILURE
+
+
+def _cmd_resolve(args, cfg: Config) -> int:
+    from txn_core import Broker
+    broker = Broker.open(cfg.warehouse)
+    try:
+        broker.resolve(args.transaction_id, commit=args.commit, remark=args.remark)
+    finally:
+        broker.close()
+    print(json.dumps({"transaction_id": args.transaction_id,
+                      "action": "COMMIT" if args.commit else "ROLLBACK",
+                      "source": "ADMIN", "remark": args.remark}), flush=True)
+    return EXIT_OK
+
+
+_COMMANDS = {"run": _cmd_run, "status": _cmd_status, "verify": _cmd_verify,
+             "resolve": _cmd_resolve}
+
+
+def cli() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,214 @@
+"""The job's tables: creating them, their versions, reading inputs by version,
+idempotent writes, and the run records of `_sys/runs` (intent and commit).
+
+Cursors are table versions (DESIGN-NOTES): a run reads the producer tables'
+change data feed between the previous run's versions and the ones pinned in
+its intent, and the job's own state tables by time travel to the versions
+pinned there, so a redo of the run sees exactly the same inputs.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from schemas import (CHECK_ANSWERS, CHECK_REQUESTS, DISCARD, HALF, OP, PENDING, QUEUES,
+                     REJECTED, RESOLVED, RUNS, TOPIC, TableSchema, table_path, topic_path)
+from pyspark.sql.types import LongType
+
+from schemas.spark import spark_schema
+
+#: tables whose rows other parties read incrementally or with delta-rs: change data feed on
+CDF_PROPERTIES = {"delta.enableChangeDataFeed": "true"}
+#: `_sys/runs` last: once it exists, all the others do (one existence check per run)
+JOB_TABLES = (PENDING, QUEUES, RESOLVED, REJECTED, DISCARD, CHECK_REQUESTS, RUNS)
+#: state tables a run reads, pinned by version in its intent
+STATE_TABLES = (PENDING, QUEUES, RESOLVED, DISCARD)
+STARTED, COMMITTED = "STARTED", "COMMITTED"
+NO_VERSION = -1
+
+
+class HistoryGoneError(RuntimeError):
+    """The Delta log no longer holds the versions the job still has to read."""
+
+
+def is_delta(spark: SparkSession, path: str) -> bool:
+    from delta.tables import DeltaTable
+    return DeltaTable.isDeltaTable(spark, path)
+
+
+def create_table(spark: SparkSession, path: str, table: TableSchema) -> None:
+    """Create an empty job table if missing. Every job table has the change data
+    feed on (consumers and producers follow them with delta-rs) and no other
+    table feature, so delta-rs can read them."""
+    from delta.tables import DeltaTable
+    builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(spark_schema(table))
+    for key, value in CDF_PROPERTIES.items():
+        builder = builder.property(key, value)
+    builder.execute()
+
+
+def ensure_job_tables(spark: SparkSession, warehouse: str) -> None:
+    if is_delta(spark, table_path(warehouse, RUNS)):
+        return
+    for table in JOB_TABLES:
+        path = table_path(warehouse, table)
+        if not is_delta(spark, path):
+            create_table(spark, path, table)
+
+
+def latest_version(spark: SparkSession, path: str) -> int:
+    """The table's latest version, or NO_VERSION if there is no table."""
+    from delta.tables import DeltaTable
+    if not is_delta(spark, path):
+        return NO_VERSION
+    return DeltaTable.forPath(spark, path).history(1).select("version").first()[0]
+
+
+def empty(spark: SparkSession, table: TableSchema, with_commit_version: bool = False) -> DataFrame:
+    schema = spark_schema(table)
+    if with_commit_version:
+        schema = schema.add("commit_version", LongType(), False)
+    return spark.createDataFrame([], schema)
+
+
+def snapshot(spark: SparkSession, path: str, table: TableSchema, version: int) -> DataFrame:
+    """The table as of `version` (empty when it did not exist then)."""
+    if version == NO_VERSION:
+        return empty(spark, table)
+    return spark.read.format("delta").option("versionAsOf", version).load(path)
+
+
+def _log_holds(spark: SparkSession, path: str, version: int) -> bool:
+    jvm = spark.sparkContext._jvm
+    log_file = jvm.org.apache.hadoop.fs.Path(f"{path.rstrip('/')}/_delta_log/{version:020d}.json")
+    fs = log_file.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+    return fs.exists(log_file)
+
+
+def added_rows(spark: SparkSession, path: str, table: TableSchema,
+               after: int, upto: int) -> DataFrame:
+    """Rows inserted in versions (after, upto], with their `commit_version`.
+
+    Fails with HistoryGoneError when the log no longer holds version after+1:
+    the job then cannot know what was added, and guessing could deliver a
+    message twice or never. This happens only when the job has not run for
+    longer than the producer tables' log retention (2 days by default).
+    """
+    if upto <= after:
+        return empty(spark, table, with_commit_version=True)
+    if not _log_holds(spark, path, after + 1):
+        raise HistoryGoneError(
+            f"the Delta log of {path} no longer holds version {after + 1}, where the job's "
+            f"cursor stands (cleaned up after the table's logRetentionDuration); the job "
+            f"must run at least once within that window. Rows added since cannot be "
+            f"read incrementally; restore the log or raise the retention and rerun")
+    return (spark.read.format("delta").option("readChangeFeed", "true")
+            .option("startingVersion", after + 1).option("endingVersion", upto).load(path)
+            .where(F.col("_change_type") == "insert")
+            .withColumnRenamed("_commit_version", "commit_version")
+            .drop("_change_type", "_commit_timestamp"))
+
+
+def write_idempotent(df: DataFrame, path: str, run_number: int, app: str, *,
+                     mode: str = "append") -> None:
+    """Write `df` once per run: a redo of the same run number is skipped by
+    Delta itself (txnAppId/txnVersion are committed with the data)."""
+    (df.write.format("delta").mode(mode)
+     .option("txnAppId", f"reconcile:{app}")
+     .option("txnVersion", run_number)
+     .save(path))
+
+
+def ensure_topic_table(spark: SparkSession, warehouse: str, topic: str) -> str:
+    path = topic_path(warehouse, topic)
+    if not is_delta(spark, path):
+        create_table(spark, path, TOPIC)
+    return path
+
+
+# --- run records -------------------------------------------------------------
+
+@dataclass
+class RunRecord:
+    """One row of `_sys/runs` (the intent, or the intent plus the summary)."""
+
+    run_id: str
+    run_number: int
+    status: str
+    now_ms: int
+    started_ms: int
+    half_version: int
+    op_version: int
+    answers_version: int
+    prev_half_version: int
+    prev_op_version: int
+    prev_answers_version: int
+    state_versions: dict[str, int]
+    rules_json: str
+    ended_ms: int | None = None
+    counters: dict[str, int | None] = field(default_factory=dict)
+    delivered_by_topic: dict[str, int] | None = None
+    summary_json: str | None = None
+
+    def to_row(self) -> dict:
+        row = {k: v for k, v in self.__dict__.items() if k != "counters"}
+        row["state_versions"] = dict(sorted(self.state_versions.items()))
+        from schemas.tables import RUN_COUNTERS
+        row.update({name: self.counters.get(name) for name in RUN_COUNTERS})
+        return row
+
+    @classmethod
+    def from_row(cls, row: dict) -> "RunRecord":
+        from schemas.tables import RUN_COUNTERS
+        base = {k: row[k] for k in cls.__dataclass_fields__ if k != "counters"}
+        base["state_versions"] = dict(base["state_versions"])
+        if base["delivered_by_topic"] is not None:
+            base["delivered_by_topic"] = dict(base["delivered_by_topic"])
+        return cls(**base, counters={n: row[n] for n in RUN_COUNTERS})
+
+
+def last_run(spark: SparkSession, warehouse: str) -> RunRecord | None:
+    """The latest run: its COMMITTED record, or its STARTED one if it never finished.
+
+    max(run_number) is answered from Delta's file statistics, and the rows of
+    that run number are found by data skipping: the cost does not grow with
+    the number of runs.
+    """
+    path = table_path(warehouse, RUNS)
+    if not is_delta(spark, path):
+        return None
+    runs = spark.read.format("delta").load(path)
+    top = runs.agg(F.max("run_number")).first()[0]
+    if top is None:
+        return None
+    rows = [r.asDict(recursive=True) for r in runs.where(F.col("run_number") == top).collect()]
+    rows.sort(key=lambda r: r["status"] != COMMITTED)
+    return RunRecord.from_row(rows[0])
+
+
+def write_run_record(spark: SparkSession, warehouse: str, record: RunRecord) -> None:
+    df = spark.createDataFrame([record.to_row()], spark_schema(RUNS))
+    write_idempotent(df, table_path(warehouse, RUNS), record.run_number,
+                     f"{RUNS.path}:{record.status}")
+
+
+def input_paths(warehouse: str) -> dict[str, str]:
+    return {"half": table_path(warehouse, HALF), "op": table_path(warehouse, OP),
+            "answers": table_path(warehouse, CHECK_ANSWERS)}
+
+
+def state_version_key(table: TableSchema) -> str:
+    return table.path
+
+
+def read_state(spark: SparkSession, warehouse: str, versions: dict[str, int],
+               table: TableSchema) -> DataFrame:
+    return snapshot(spark, table_path(warehouse, table), table,
+                    versions.get(state_version_key(table), NO_VERSION))
+
+
+def decode_json(text: str | None) -> dict:
+    return json.loads(text) if text else {}

@@ -1,0 +1,58 @@
+"""`status`: what is pending, as of the last committed run (SPEC §5.1)."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+from pyspark.sql import functions as F
+
+from jobs import state
+from schemas import HALF, PENDING, table_path
+from txn_core.config import Config, as_config
+
+
+@dataclass
+class StatusReport:
+    warehouse: str
+    now_ms: int
+    last_run_id: str | None
+    last_run_status: str | None
+    #: an interrupted run the next run will redo first
+    interrupted: bool
+    pending: int
+    oldest_pending_age_ms: int | None
+    pending_by_producer_group: dict[str, int]
+    pending_by_topic: dict[str, int]
+    #: half-table versions written since the last run read it (not yet in `pending`)
+    unread_half_versions: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def status(spark, config: Config | dict, now_ms: int | None = None) -> StatusReport:
+    cfg = as_config(config)
+    wh = cfg.warehouse
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    last = state.last_run(spark, wh)
+    path = table_path(wh, PENDING)
+    pending = (spark.read.format("delta").load(path) if state.is_delta(spark, path)
+               else state.empty(spark, PENDING)).cache()
+    try:
+        total = pending.agg(F.count(F.lit(1)).alias("n"), F.min("store_ms").alias("oldest")).first()
+        by = lambda c: {r[c]: r["n"] for r in pending.groupBy(c)  # noqa: E731
+                        .agg(F.count(F.lit(1)).alias("n")).orderBy(c).collect()}
+        half_v = state.latest_version(spark, table_path(wh, HALF))
+        read_v = last.half_version if last else state.NO_VERSION
+        return StatusReport(
+            warehouse=wh, now_ms=now,
+            last_run_id=last.run_id if last else None,
+            last_run_status=last.status if last else None,
+            interrupted=bool(last and last.status == state.STARTED),
+            pending=total["n"],
+            oldest_pending_age_ms=(max(now - total["oldest"], 0)
+                                   if total["oldest"] is not None else None),
+            pending_by_producer_group=by("producer_group"), pending_by_topic=by("topic"),
+            unread_half_versions=max(half_v - read_v, 0))
+    finally:
+        pending.unpersist()

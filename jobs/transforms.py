@@ -1,0 +1,328 @@
+"""The reconciliation rules (SPEC §5.2) as DataFrame -> DataFrame functions.
+
+Nothing here reads or writes a table: the job (`jobs/reconcile.py`) hands in
+the pending set, the rows added since the previous run and, when needed, a
+few rows of history, and writes what comes back. Every function is
+deterministic for given inputs, which is what lets a crashed run be redone
+with identical outputs (I4).
+
+Order of a run, top to bottom:
+  split_halves -> live_messages -> (history lookup for unmatched OPs) ->
+  classify_ops -> winners -> deliveries / next_queues / resolved_rows ->
+  remaining_pending -> apply_answers -> decide -> discards / check_requests /
+  next_pending
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import functions as F
+
+from schemas import (CHECK_REQUESTS, DISCARD, HALF, PENDING, QUEUES, REJECTED, RESOLVED,
+                     TOPIC, TableSchema)
+from schemas.spark import spark_type
+
+ACTIONS = ("COMMIT", "ROLLBACK")
+SOURCES = ("PRODUCER", "CHECK", "ADMIN")
+UNDECIDED_ANSWERS = ("UNKNOWN", "ERROR")
+
+# OP outcomes
+WIN, DUPLICATE, CONFLICT, INVALID, LATE = "WIN", "DUPLICATE", "CONFLICT", "INVALID", "LATE"
+# decisions on a message still pending after resolution
+EXPIRED, MAX_CHECKS, CHECK, WAIT = "EXPIRED", "MAX_CHECKS", "CHECK", "WAIT"
+
+# RocketMQ's topic rule (TopicValidator): 1..127 of [A-Za-z0-9_%|-]. A row
+# breaking it was not written by our broker core, which validates first.
+TOPIC_PATTERN = r"^[A-Za-z0-9_%|\-]{1,127}$"
+SYSTEM_TOPIC_PREFIXES = ("_sys", "RMQ_SYS_", "rmq_sys_", "SCHEDULE_TOPIC_", "TBW102")
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Everything the rules depend on besides the data; stored in the run's intent."""
+
+    run_id: str
+    run_number: int
+    now_ms: int
+    transaction_timeout_ms: int
+    check_max: int
+    check_interval_ms: int
+    reserved_ms: int
+    max_checks_per_run: int
+    check_budget: str
+
+    @classmethod
+    def from_config(cls, config, *, run_id: str, run_number: int, now_ms: int) -> "Rules":
+        return cls(run_id=run_id, run_number=run_number, now_ms=now_ms,
+                   transaction_timeout_ms=config.transaction_timeout_ms,
+                   check_max=config.check_max, check_interval_ms=config.check_interval_ms,
+                   reserved_ms=config.reserved_hours * 3_600_000,
+                   max_checks_per_run=config.max_checks_per_run,
+                   check_budget=config.check_budget)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Rules":
+        return cls(**json.loads(text))
+
+
+def conform(df: DataFrame, table: TableSchema, *extra: str) -> DataFrame:
+    """Select `table`'s columns in order with their exact types (plus `extra` as is)."""
+    cols = [F.col(c.name).cast(spark_type(c.type)).alias(c.name) for c in table.columns]
+    return df.select(*cols, *extra)
+
+
+# --- 1. new half rows ----------------------------------------------------------
+
+def half_reject_reason() -> Column:
+    """Why a half row cannot be processed, or null. Evaluated per row: one bad
+    row is set aside and never stops the others (SPEC §5.2 step 7)."""
+    topic = F.col("topic")
+    system = F.lit(False)
+    for prefix in SYSTEM_TOPIC_PREFIXES:
+        system = system | topic.startswith(prefix)
+    return (F.when(~topic.rlike(TOPIC_PATTERN), F.lit("invalid topic name"))
+            .when(system, F.lit("system topic name"))
+            .when(F.col("queue_id") < 0, F.lit("negative queue_id")))
+
+
+def split_halves(new_half: DataFrame, rules: Rules) -> tuple[DataFrame, DataFrame]:
+    """(accepted half rows, REJECTED rows for the others)."""
+    tagged = new_half.withColumn("_reason", half_reject_reason())
+    accepted = tagged.where(F.col("_reason").isNull()).drop("_reason")
+    rejected = (tagged.where(F.col("_reason").isNotNull())
+                .select(F.lit(HALF.path).alias("source_table"),
+                        F.col("half_offset").alias("row_offset"),
+                        "transaction_id", "producer_group",
+                        F.col("_reason").alias("reason"),
+                        F.lit(rules.run_id).alias("run_id")))
+    return accepted, conform(rejected, REJECTED)
+
+
+def live_messages(pending_prev: DataFrame, accepted_half: DataFrame, rules: Rules) -> DataFrame:
+    """The messages this run may resolve or check: the carried pending set plus new halves."""
+    fresh = (accepted_half
+             .withColumn("checks_sent", F.lit(0))
+             .withColumn("checks_undecided", F.lit(0))
+             .withColumn("last_check_ms", F.lit(None).cast("bigint"))
+             .withColumn("run_number", F.lit(rules.run_number)))
+    return conform(pending_prev, PENDING).unionByName(conform(fresh, PENDING))
+
+
+# --- 2. OPs ----------------------------------------------------------------
+
+def unmatched_op_keys(ops: DataFrame, live: DataFrame) -> DataFrame:
+    """half_offsets of OPs for no live message: only these need the history."""
+    return (ops.select("half_offset").distinct()
+            .join(live.select("half_offset"), "half_offset", "left_anti"))
+
+
+def history_targets(resolved: DataFrame, discarded: DataFrame) -> DataFrame:
+    """What the history says about some messages: how they were resolved
+    (`prior_action`) and whether they were discarded."""
+    res = resolved.select("half_offset", "transaction_id", "producer_group",
+                          F.col("action").alias("prior_action"),
+                          F.col("after_discard").alias("discarded"))
+    dis = discarded.select("half_offset", "transaction_id", "producer_group",
+                           F.lit(None).cast("string").alias("prior_action"),
+                           F.lit(True).alias("discarded"))
+    return (res.unionByName(dis).groupBy("half_offset")
+            .agg(F.first("transaction_id").alias("transaction_id"),
+                 F.first("producer_group").alias("producer_group"),
+                 F.max("prior_action").alias("prior_action"),
+                 F.max("discarded").alias("discarded")))
+
+
+def op_targets(live: DataFrame, history: DataFrame) -> DataFrame:
+    """Every message an OP of this run may refer to, with its identity."""
+    pending = live.select("half_offset", "transaction_id", "producer_group",
+                          F.lit(None).cast("string").alias("prior_action"),
+                          F.lit(False).alias("discarded"))
+    return pending.unionByName(history)
+
+
+def classify_ops(ops: DataFrame, targets: DataFrame) -> DataFrame:
+    """Add `outcome` (WIN, DUPLICATE, CONFLICT, INVALID, LATE) and `reason` to each OP.
+
+    The first valid OP in commit order (table version, then op_offset within
+    the commit) wins; a message resolved by an earlier run has no winner here,
+    so all its OPs compare against the earlier decision. PRODUCER and CHECK
+    OPs for a discarded message are late; only ADMIN OPs may override a discard.
+    """
+    t = targets.select("half_offset",
+                       F.col("transaction_id").alias("_t_txn"),
+                       F.col("producer_group").alias("_t_group"),
+                       "prior_action", "discarded")
+    reason = (F.when(F.col("_t_txn").isNull(), F.lit("unknown half_offset"))
+              .when(~F.col("action").isin(*ACTIONS), F.lit("invalid action"))
+              .when(~F.col("source").isin(*SOURCES), F.lit("invalid source"))
+              .when(F.col("producer_group") != F.col("_t_group"),
+                    F.lit("producer_group mismatch"))
+              .when(F.col("transaction_id") != F.col("_t_txn"),
+                    F.lit("transaction_id mismatch")))
+    late = F.coalesce(F.col("discarded"), F.lit(False)) & (F.col("source") != "ADMIN")
+    joined = (ops.join(t, "half_offset", "left")
+              .withColumn("_invalid", reason)
+              .withColumn("_late", F.col("_invalid").isNull() & late)
+              .withColumn("reason", F.coalesce(F.col("_invalid"),
+                                               F.when(F.col("_late"),
+                                                      F.lit("message discarded"))))
+              .withColumn("_eligible", F.col("reason").isNull()))
+    # Ineligible OPs sort last, so row 1 is the first eligible OP when there is one.
+    order = Window.partitionBy("half_offset").orderBy(
+        F.col("_eligible").desc(), F.col("commit_version"), F.col("op_offset"))
+    whole = order.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+    first_action = F.first(F.when(F.col("_eligible"), F.col("action")), ignorenulls=True)
+    decided = F.coalesce(F.col("prior_action"), first_action.over(whole))
+    outcome = (F.when(F.col("_late"), F.lit(LATE))
+               .when(F.col("_invalid").isNotNull(), F.lit(INVALID))
+               .when(F.col("prior_action").isNull() & (F.row_number().over(order) == 1),
+                     F.lit(WIN))
+               .when(F.col("action") == decided, F.lit(DUPLICATE))
+               .otherwise(F.lit(CONFLICT)))
+    return (joined.withColumn("outcome", outcome)
+            .drop("_t_txn", "_t_group", "prior_action", "_eligible", "_invalid", "_late"))
+
+
+def op_rejections(classified: DataFrame, rules: Rules) -> DataFrame:
+    """REJECTED rows for OPs never applied (invalid or late), for audit."""
+    bad = classified.where(F.col("outcome").isin(INVALID, LATE))
+    return conform(bad.select(F.lit("_sys/op").alias("source_table"),
+                              F.col("op_offset").alias("row_offset"),
+                              "transaction_id", "producer_group",
+                              F.concat(F.col("outcome"), F.lit(": "), F.col("reason"))
+                              .alias("reason"),
+                              F.lit(rules.run_id).alias("run_id")), REJECTED)
+
+
+def winners(classified: DataFrame, messages: DataFrame) -> DataFrame:
+    """Winning OPs with the whole message they decide (HALF columns)."""
+    win = classified.where(F.col("outcome") == WIN).select(
+        "half_offset", "action", "source", "op_offset", "commit_version",
+        F.col("store_ms").alias("op_store_ms"), "discarded")
+    return win.join(conform(messages, HALF), "half_offset", "inner")
+
+
+# --- 3. deliveries ---------------------------------------------------------
+
+def deliveries(won: DataFrame, queues: DataFrame, rules: Rules) -> DataFrame:
+    """TOPIC rows (plus `topic`) for winning COMMITs: dense queue offsets per
+    (topic, queue_id), continuing the previous maximum, in commit order."""
+    base = queues.select("topic", "queue_id", "next_queue_offset")
+    order = Window.partitionBy("topic", "queue_id").orderBy("commit_version", "op_offset")
+    rows = (won.where(F.col("action") == "COMMIT")
+            .join(base, ["topic", "queue_id"], "left")
+            .withColumn("queue_offset", F.coalesce(F.col("next_queue_offset"), F.lit(0))
+                        + F.row_number().over(order) - 1)
+            .withColumn("commit_ms", F.col("op_store_ms"))
+            .withColumn("delivered_ms", F.lit(rules.now_ms))
+            .withColumn("run_id", F.lit(rules.run_id)))
+    return conform(rows, TOPIC, "topic")
+
+
+def next_queues(queues: DataFrame, delivered: DataFrame, rules: Rules) -> DataFrame:
+    """The QUEUES table after this run's deliveries."""
+    moved = (delivered.groupBy("topic", "queue_id")
+             .agg((F.max("queue_offset") + 1).alias("next_queue_offset"))
+             .withColumn("run_number", F.lit(rules.run_number)))
+    kept = queues.join(moved.select("topic", "queue_id"), ["topic", "queue_id"], "left_anti")
+    return conform(kept, QUEUES).unionByName(conform(moved, QUEUES))
+
+
+def resolved_rows(won: DataFrame, rules: Rules) -> DataFrame:
+    return conform(won.select("half_offset", "transaction_id", "producer_group", "topic",
+                              "action", "source", "op_offset",
+                              F.col("commit_version").alias("op_version"), "op_store_ms",
+                              F.col("discarded").alias("after_discard"),
+                              F.lit(rules.run_id).alias("run_id")), RESOLVED)
+
+
+# --- 4. what stays pending -------------------------------------------------
+
+def remaining_pending(live: DataFrame, won: DataFrame) -> DataFrame:
+    return live.join(won.select("half_offset"), "half_offset", "left_anti")
+
+
+def apply_answers(pending: DataFrame, answers: DataFrame) -> DataFrame:
+    """Count check answers without a decision (UNKNOWN/ERROR) towards the
+    `answered` budget: one per request_id, only for the message's own group
+    and transaction."""
+    undecided = (answers.where(F.col("answer").isin(*UNDECIDED_ANSWERS))
+                 .groupBy("half_offset", "transaction_id", "producer_group")
+                 .agg(F.countDistinct("request_id").alias("_answered")))
+    return (pending.join(undecided, ["half_offset", "transaction_id", "producer_group"], "left")
+            .withColumn("checks_undecided",
+                        (F.col("checks_undecided") + F.coalesce(F.col("_answered"), F.lit(0)))
+                        .cast("int"))
+            .drop("_answered"))
+
+
+def age_ms(rules: Rules) -> Column:
+    """now − store_ms; a message stored "in the future" has age 0."""
+    return F.greatest(F.lit(rules.now_ms) - F.col("store_ms"), F.lit(0)).cast("bigint")
+
+
+def immunity_ms(rules: Rules) -> Column:
+    own = F.col("check_immunity_s")
+    return (F.when(own.isNotNull() & (own >= 0), own.cast("bigint") * 1000)
+            .otherwise(F.lit(rules.transaction_timeout_ms).cast("bigint")))
+
+
+def decide(pending: DataFrame, rules: Rules) -> DataFrame:
+    """Add `age_ms` and `decision` (EXPIRED, MAX_CHECKS, CHECK, WAIT) per message."""
+    counted = F.col("checks_sent" if rules.check_budget == "sent" else "checks_undecided")
+    interval_over = (F.col("last_check_ms").isNull()
+                     | (F.lit(rules.now_ms) - F.col("last_check_ms")
+                        >= F.lit(rules.check_interval_ms)))
+    due = (F.col("age_ms") > immunity_ms(rules)) & interval_over
+    decision = (F.when(F.col("age_ms") > F.lit(rules.reserved_ms), F.lit(EXPIRED))
+                .when(due & (counted >= F.lit(rules.check_max)), F.lit(MAX_CHECKS))
+                .when(due, F.lit(CHECK))
+                .otherwise(F.lit(WAIT)))
+    flagged = pending.withColumn("age_ms", age_ms(rules)).withColumn("decision", decision)
+    if rules.max_checks_per_run <= 0:
+        return flagged
+    chosen = (flagged.where(F.col("decision") == CHECK)
+              .select("half_offset", "store_ms")
+              .orderBy("store_ms", "half_offset").limit(rules.max_checks_per_run)
+              .select("half_offset", F.lit(True).alias("_chosen")))
+    return (flagged.join(chosen, "half_offset", "left")
+            .withColumn("decision", F.when((F.col("decision") == CHECK)
+                                           & F.col("_chosen").isNull(), F.lit(WAIT))
+                        .otherwise(F.col("decision")))
+            .drop("_chosen"))
+
+
+def discards(decided: DataFrame, rules: Rules) -> DataFrame:
+    rows = (decided.where(F.col("decision").isin(EXPIRED, MAX_CHECKS))
+            .withColumn("check_times", F.col("checks_sent"))
+            .withColumn("reason", F.col("decision"))
+            .withColumn("discarded_ms", F.lit(rules.now_ms))
+            .withColumn("run_id", F.lit(rules.run_id)))
+    return conform(rows, DISCARD)
+
+
+def check_requests(decided: DataFrame, rules: Rules) -> DataFrame:
+    """One request per message checked; request_id is stable across redos of the run."""
+    rows = (decided.where(F.col("decision") == CHECK)
+            .withColumn("request_id", F.concat(F.lit(rules.run_id + "-"),
+                                               F.col("half_offset").cast("string")))
+            .withColumn("run_id", F.lit(rules.run_id))
+            .withColumn("check_times", F.col("checks_sent") + 1)
+            .withColumn("requested_ms", F.lit(rules.now_ms)))
+    return conform(rows, CHECK_REQUESTS)
+
+
+def next_pending(decided: DataFrame, rules: Rules) -> DataFrame:
+    checked = F.col("decision") == CHECK
+    rows = (decided.where(F.col("decision").isin(CHECK, WAIT))
+            .withColumn("checks_sent", F.when(checked, F.col("checks_sent") + 1)
+                        .otherwise(F.col("checks_sent")))
+            .withColumn("last_check_ms", F.when(checked, F.lit(rules.now_ms))
+                        .otherwise(F.col("last_check_ms")))
+            .withColumn("run_number", F.lit(rules.run_number)))
+    return conform(rows, PENDING)

@@ -1,0 +1,602 @@
+"""`verify`: the full audit of SPEC I2/I3/I6, recomputed from the raw tables.
+
+The job works incrementally (pending set + rows added since the last run).
+This audit does not trust any of that: it reads the whole history of
+`_sys/half` and `_sys/op` with their commit versions (change data feed),
+recomputes the fate of every half message by a full anti-join of halves and
+OPs, and compares it with what the job wrote: the real-topic tables,
+`_sys/discard`, `_sys/pending`, `_sys/resolved`, `_sys/queues` and
+`_sys/rejected`.
+
+What counts as "processed" comes from `_sys/runs`: only halves and OPs up to
+the input versions of the last committed run are judged; newer rows are
+legitimately not handled yet. The same table dates every OP (the run whose
+input range holds its version) and every discard (the run that wrote it), which
+is what "an OP arriving after the discard" means (SPEC §5.2 step 2).
+
+The rules, independent of `jobs.transforms`:
+- an OP is valid when a half with its half_offset was visible to the run that
+  read the OP, and transaction_id and producer_group match that half;
+- the first valid OP in commit order (version, then op_offset) decides;
+  PRODUCER/CHECK OPs after the message's discard are late, ADMIN ones decide;
+- each half is then delivered once (COMMIT), rolled back (ROLLBACK), discarded
+  once (a discard row, no deciding OP), pending, or rejected (a half row the
+  broker core would not have written, e.g. a bad topic name).
+
+Discards themselves depend on the clock and on check answers, so they are not
+recomputed; each discard row is checked instead against the rule it names
+(EXPIRED: older than reserved_hours at that run; MAX_CHECKS: as many checks
+as check_max) and against the OPs the run had seen.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
+
+from schemas import (CHECK_REQUESTS, DISCARD, HALF, OP, PENDING, QUEUES, REJECTED, RESOLVED,
+                     RUNS, TOPIC, table_path, topic_path)
+from schemas.spark import spark_schema
+from txn_core.config import as_config
+
+ACTIONS = ("COMMIT", "ROLLBACK")
+SOURCES = ("PRODUCER", "CHECK", "ADMIN")
+# RocketMQ's topic rule and system names (SPEC §3 item 9): a half row breaking
+# them did not come from the broker core and is set aside by the job.
+TOPIC_PATTERN = r"^[A-Za-z0-9_%|\-]{1,127}$"
+SYSTEM_TOPIC_PREFIXES = ("_sys", "RMQ_SYS_", "rmq_sys_", "SCHEDULE_TOPIC_", "TBW102")
+# The message's content as the half row has it; a topic, pending or discard row
+# must carry it unchanged (I3).
+CONTENT = ("transaction_id", "msg_id", "producer_group", "queue_id", "tags", "keys", "body",
+           "properties", "born_ms")
+MAX_LISTED = 1000
+
+DELIVERED, ROLLED_BACK, DISCARDED, PENDING_FATE, REJECTED_FATE = (
+    "DELIVERED", "ROLLED_BACK", "DISCARDED", "PENDING", "REJECTED")
+
+
+@dataclass
+class VerifyReport:
+    """The audit's outcome: `.ok` is True when nothing differs."""
+
+    ok: bool
+    differences: list[dict[str, Any]]
+    counts: dict[str, Any]
+    differences_by_kind: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    judged_run: dict[str, Any] | None = None
+
+    @property
+    def total_differences(self) -> int:
+        return sum(self.differences_by_kind.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "counts": self.counts,
+                "differences_by_kind": self.differences_by_kind,
+                "total_differences": self.total_differences,
+                "differences": self.differences, "notes": self.notes,
+                "judged_run": self.judged_run}
+
+    def render(self) -> str:
+        lines = [f"verify: {'OK' if self.ok else 'FAILED'}"]
+        if self.judged_run:
+            r = self.judged_run
+            lines.append(f"judged up to run {r['run_number']} ({r['run_id']}): "
+                         f"_sys/half version {r['half_version']}, "
+                         f"_sys/op version {r['op_version']}")
+        else:
+            lines.append("no committed run yet: nothing is judged, outputs must be empty")
+        lines.append("counts: " + ", ".join(f"{k}={v}" for k, v in self.counts.items()))
+        for note in self.notes:
+            lines.append(f"note: {note}")
+        if self.differences_by_kind:
+            lines.append(f"{self.total_differences} difference(s):")
+            for kind, n in sorted(self.differences_by_kind.items()):
+                lines.append(f"  {kind}: {n}")
+            lines.append("first differences:")
+            for d in self.differences:
+                who = f"half_offset={d['half_offset']}" if d["half_offset"] is not None else ""
+                if d.get("transaction_id"):
+                    who += f" transaction_id={d['transaction_id']}"
+                lines.append(f"  [{d['kind']}] {d['table'] or ''} {who.strip()}: "
+                             f"expected {d['expected']}; found {d['found']}")
+            if len(self.differences) < self.total_differences:
+                lines.append(f"  ... {self.total_differences - len(self.differences)} more")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+# --- reading -----------------------------------------------------------------
+
+def _is_delta(spark: SparkSession, path: str) -> bool:
+    from delta.tables import DeltaTable
+    return DeltaTable.isDeltaTable(spark, path)
+
+
+def _read(spark: SparkSession, path: str, schema, version: int | None = None) -> DataFrame:
+    if not _is_delta(spark, path) or (version is not None and version < 0):
+        return spark.createDataFrame([], schema)
+    reader = spark.read.format("delta")
+    if version is not None:
+        reader = reader.option("versionAsOf", version)
+    return reader.load(path)
+
+
+def _with_versions(spark: SparkSession, path: str, schema, upto: int,
+                   notes: list[str]) -> DataFrame:
+    """Every row inserted up to version `upto`, with its `cv` (commit version).
+
+    When the log no longer reaches back to version 0 (producer log retention),
+    the commit version of older rows is lost; they are dated version 0, so
+    they count as read by the first run. That is exact for every rule except
+    "late after a discard" between two such old rows, and the report says so.
+    """
+    if upto < 0 or not _is_delta(spark, path):
+        return spark.createDataFrame([], schema).withColumn("cv", F.lit(None).cast("bigint"))
+    if _log_holds(spark, path, 0):
+        return (spark.read.format("delta").option("readChangeFeed", "true")
+                .option("startingVersion", 0).option("endingVersion", upto).load(path)
+                .where(F.col("_change_type") == "insert")
+                .withColumnRenamed("_commit_version", "cv")
+                .drop("_change_type", "_commit_timestamp"))
+    notes.append(f"{path}: the log no longer holds version 0; rows older than the "
+                 f"log are dated 0 (read by the first run)")
+    snap = spark.read.format("delta").option("versionAsOf", upto).load(path)
+    known = spark.sql(f"DESCRIBE HISTORY delta.`{path}`").agg(F.min("version")).first()[0]
+    dated = (spark.read.format("delta").option("readChangeFeed", "true")
+             .option("startingVersion", known + 1).option("endingVersion", upto).load(path)
+             .where(F.col("_change_type") == "insert")
+             .select(*[F.col(c) for c in snap.columns], F.col("_commit_version").alias("cv")))
+    old = snap.join(dated.select(*snap.columns[:1]), snap.columns[:1], "left_anti")
+    return old.withColumn("cv", F.lit(0).cast("bigint")).unionByName(dated)
+
+
+def _newer_rows(spark: SparkSession, path: str, judged_rows: int) -> int:
+    """Rows added after the judged version (halves the job has legitimately not read)."""
+    if not _is_delta(spark, path):
+        return 0
+    return max(spark.read.format("delta").load(path).count() - judged_rows, 0)
+
+
+def _log_holds(spark: SparkSession, path: str, version: int) -> bool:
+    jvm = spark.sparkContext._jvm
+    log_file = jvm.org.apache.hadoop.fs.Path(f"{path.rstrip('/')}/_delta_log/{version:020d}.json")
+    return log_file.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()).exists(log_file)
+
+
+def _topics(spark: SparkSession, warehouse: str) -> list[str]:
+    """Topic tables present under `<warehouse>/topics/` (local paths and URIs alike)."""
+    jvm = spark.sparkContext._jvm
+    root = jvm.org.apache.hadoop.fs.Path(warehouse.rstrip("/") + "/topics")
+    fs = root.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+    if not fs.exists(root):
+        return []
+    return sorted(s.getPath().getName() for s in fs.listStatus(root) if s.isDirectory())
+
+
+def _committed_runs(spark: SparkSession, warehouse: str):
+    """(committed runs in order, the incomplete run after them or None)."""
+    path = table_path(warehouse, RUNS)
+    if not _is_delta(spark, path):
+        return [], None
+    rows = [r.asDict(recursive=True) for r in spark.read.format("delta").load(path).collect()]
+    by_number: dict[int, dict] = {}
+    for row in rows:
+        seen = by_number.get(row["run_number"])
+        if seen is None or row["status"] == "COMMITTED":
+            by_number[row["run_number"]] = row
+    committed = [by_number[n] for n in sorted(by_number)
+                 if by_number[n]["status"] == "COMMITTED"]
+    last = max(by_number) if by_number else None
+    incomplete = by_number[last] if last is not None and by_number[last]["status"] != "COMMITTED" \
+        else None
+    return committed, incomplete
+
+
+def _rules(run: dict) -> dict:
+    try:
+        return json.loads(run.get("rules_json") or "{}")
+    except ValueError:
+        return {}
+
+
+# --- helpers ---------------------------------------------------------------
+
+def _canon(col: str) -> F.Column:
+    """A comparable form of a column: maps become sorted entry arrays
+    (Spark cannot compare maps), everything else stays as it is."""
+    if col == "properties":
+        return F.array_sort(F.map_entries(F.col(col)))
+    return F.col(col)
+
+
+def _show(col: str) -> F.Column:
+    if col == "body":
+        return F.hex(F.col(col))
+    if col == "properties":
+        return F.to_json(F.col(col))
+    return F.col(col).cast("string")
+
+
+def _diff(df: DataFrame, kind: str, table: str | F.Column | None, expected, found) -> DataFrame:
+    def lit(v):
+        return v if isinstance(v, F.Column) else F.lit(v).cast("string")
+    return df.select(F.lit(kind).alias("kind"), lit(table).alias("table"),
+                     F.col("half_offset").cast("bigint").alias("half_offset"),
+                     F.col("transaction_id").cast("string").alias("transaction_id"),
+                     lit(expected).alias("expected"), lit(found).alias("found"))
+
+
+def _content_diffs(expected: DataFrame, found: DataFrame, table: str,
+                   columns=CONTENT) -> DataFrame:
+    """One difference per message whose copy in `found` differs from the half
+    row in `expected` (both keyed by half_offset), naming the columns that differ."""
+    e = expected.select("half_offset", *[_canon(c).alias(f"e_{c}") for c in columns],
+                        *[_show(c).alias(f"es_{c}") for c in columns])
+    f = found.select("half_offset", *[_canon(c).alias(f"f_{c}") for c in columns],
+                     *[_show(c).alias(f"fs_{c}") for c in columns])
+    j = e.join(f, "half_offset")
+    differing = [F.when(~F.col(f"e_{c}").eqNullSafe(F.col(f"f_{c}")), F.lit(c)) for c in columns]
+    j = j.withColumn("_cols", F.array_compact(F.array(*differing)))
+    bad = j.where(F.size("_cols") > 0).withColumn("transaction_id", F.col("es_transaction_id"))
+
+    def describe(prefix):
+        return F.concat_ws("; ", *[F.when(F.array_contains("_cols", c),
+                                          F.concat(F.lit(f"{c}="), F.coalesce(
+                                              F.col(f"{prefix}_{c}"), F.lit("null"))))
+                                   for c in columns])
+    return _diff(bad, "content_mismatch", table, describe("es"), describe("fs"))
+
+
+# --- the audit ----------------------------------------------------------------
+
+def verify(spark: SparkSession, config) -> VerifyReport:
+    """Recompute every half message's fate from `_sys/half` and `_sys/op` and
+    compare it with the job's outputs and state. Reads only; writes nothing."""
+    config = as_config(config)
+    wh = config.warehouse
+    notes: list[str] = []
+    committed, incomplete = _committed_runs(spark, wh)
+    last = committed[-1] if committed else None
+    half_upto = last["half_version"] if last else -1
+    op_upto = last["op_version"] if last else -1
+    ignored_run = incomplete["run_id"] if incomplete else None
+    state_versions: dict[str, int] = {}
+    if incomplete is not None:
+        notes.append(f"run {incomplete['run_number']} ({incomplete['run_id']}) has not "
+                     f"committed: its outputs are not judged, the next run completes it")
+        state_versions = dict(incomplete.get("state_versions") or {})
+
+    # Intervals of OP versions read by each committed run, to date OPs and discards.
+    runs_rows, prev_op = [], -1
+    for r in committed:
+        rules = _rules(r)
+        runs_rows.append((r["run_id"], int(r["run_number"]), prev_op, int(r["op_version"]),
+                          int(r["half_version"]), int(r["now_ms"]),
+                          rules.get("reserved_ms"), rules.get("check_max"),
+                          rules.get("check_budget")))
+        prev_op = int(r["op_version"])
+    runs = spark.createDataFrame(runs_rows, "run_id string, run_number bigint, op_lo bigint, "
+                                            "op_hi bigint, run_half_version bigint, "
+                                            "run_now_ms bigint, reserved_ms bigint, "
+                                            "check_max bigint, check_budget string")
+
+    half = _with_versions(spark, table_path(wh, HALF), spark_schema(HALF), half_upto, notes)
+    op = _with_versions(spark, table_path(wh, OP), spark_schema(OP), op_upto, notes)
+    half = half.cache()
+    op = op.cache()
+
+    def state(table):
+        # With an unfinished run, read the state tables as its intent pinned
+        # them: the state the last committed run left.
+        version = state_versions.get(table.path) if incomplete is not None else None
+        df = _read(spark, table_path(wh, table), spark_schema(table), version)
+        if "run_id" in df.columns and ignored_run is not None:
+            df = df.where(F.col("run_id") != F.lit(ignored_run))
+        return df
+
+    discard_all = state(DISCARD)
+    pending = state(PENDING)
+    resolved = state(RESOLVED)
+    queues = state(QUEUES)
+    rejected = state(REJECTED)
+    requests = state(CHECK_REQUESTS)
+
+    topic_names = _topics(spark, wh)
+    delivered_rows = None
+    for name in topic_names:
+        path = topic_path(wh, name)
+        if not _is_delta(spark, path):
+            continue
+        df = spark.read.format("delta").load(path).withColumn("found_topic", F.lit(name))
+        if ignored_run is not None:
+            df = df.where(F.col("run_id") != F.lit(ignored_run))
+        delivered_rows = df if delivered_rows is None else delivered_rows.unionByName(df)
+    if delivered_rows is None:
+        delivered_rows = spark.createDataFrame([], spark_schema(TOPIC)).withColumn(
+            "found_topic", F.lit(None).cast("string"))
+    delivered_rows = delivered_rows.cache()
+
+    diffs: list[DataFrame] = []
+
+    # I1: offsets unique in the raw tables.
+    dup_half = (half.groupBy("half_offset")
+                .agg(F.count("*").alias("n"), F.first("transaction_id").alias("transaction_id"))
+                .where("n > 1"))
+    diffs.append(_diff(dup_half, "duplicate_half_offset", HALF.path, "1 row",
+                       F.concat(F.col("n").cast("string"), F.lit(" rows"))))
+    dup_op = (op.groupBy("op_offset")
+              .agg(F.count("*").alias("n"), F.first("transaction_id").alias("transaction_id"),
+                   F.first("half_offset").alias("half_offset"))
+              .where("n > 1"))
+    diffs.append(_diff(dup_op, "duplicate_op_offset", OP.path, "1 row per op_offset",
+                       F.concat(F.col("n").cast("string"), F.lit(" rows with op_offset "),
+                                F.col("op_offset").cast("string"))))
+
+    # Halves: the rows the broker core would not have written are set aside.
+    system = F.lit(False)
+    for prefix in SYSTEM_TOPIC_PREFIXES:
+        system = system | F.col("topic").startswith(prefix)
+    halves = (half.dropDuplicates(["half_offset"])
+              .withColumn("bad_half", (~F.col("topic").rlike(TOPIC_PATTERN)) | system
+                          | (F.col("queue_id") < 0))
+              .withColumnRenamed("cv", "half_cv"))
+
+    # Discard rows: only those of committed runs date a discard.
+    discard_dated = discard_all.join(
+        F.broadcast(runs.select("run_id", "run_number", F.col("op_hi").alias("d_op_version"),
+                                "run_now_ms", "reserved_ms", "check_max", "check_budget")),
+        "run_id", "left")
+    diffs.append(_diff(discard_dated.where(F.col("run_number").isNull()),
+                       "discard_by_unknown_run", DISCARD.path, "run_id of a committed run",
+                       F.col("run_id")))
+    discard_dated = discard_dated.where(F.col("run_number").isNotNull())
+    per_half_discard = (discard_dated.groupBy("half_offset")
+                        .agg(F.count("*").alias("n_discards"),
+                             F.min("d_op_version").alias("d_op_version"),
+                             F.first("transaction_id").alias("d_txn")))
+    diffs.append(_diff(per_half_discard.where("n_discards > 1")
+                       .withColumnRenamed("d_txn", "transaction_id"),
+                       "duplicate_discard", DISCARD.path, "at most 1 discard row",
+                       F.concat(F.col("n_discards").cast("string"), F.lit(" rows"))))
+
+    # OPs: date each by the run that read it, then validate against its half.
+    o = op.join(F.broadcast(runs.select("run_number", "op_lo", "op_hi", "run_half_version")),
+                (op["cv"] > F.col("op_lo")) & (op["cv"] <= F.col("op_hi")), "left")
+    h = halves.select("half_offset", F.col("transaction_id").alias("h_txn"),
+                      F.col("producer_group").alias("h_group"), "half_cv", "bad_half")
+    o = (o.join(h, "half_offset", "left")
+         .join(per_half_discard.select("half_offset", "d_op_version"), "half_offset", "left"))
+    valid = (F.col("h_txn").isNotNull() & (F.col("half_cv") <= F.col("run_half_version"))
+             & ~F.col("bad_half") & (F.col("transaction_id") == F.col("h_txn"))
+             & (F.col("producer_group") == F.col("h_group"))
+             & F.col("action").isin(*ACTIONS) & F.col("source").isin(*SOURCES))
+    late = F.col("d_op_version").isNotNull() & (F.col("cv") > F.col("d_op_version")) \
+        & (F.col("source") != "ADMIN")
+    o = (o.withColumn("valid", F.coalesce(valid, F.lit(False)))
+         .withColumn("late", F.col("valid") & F.coalesce(late, F.lit(False)))
+         .withColumn("eligible", F.col("valid") & ~F.col("late"))).cache()
+    first = Window.partitionBy("half_offset").orderBy("cv", "op_offset")
+    winners = (o.where("eligible").withColumn("_n", F.row_number().over(first))
+               .where("_n = 1")
+               .select("half_offset", F.col("op_offset").alias("w_op_offset"),
+                       F.col("action").alias("w_action"), F.col("source").alias("w_source"),
+                       F.col("cv").alias("w_cv"), F.col("store_ms").alias("w_store_ms"),
+                       F.col("d_op_version").isNotNull().alias("w_after_discard"),
+                       (F.col("d_op_version").isNotNull()
+                        & (F.col("cv") <= F.col("d_op_version"))).alias("w_before_discard")))
+
+    # The expected fate of every judged half: the full anti-join.
+    judged = halves.where(F.col("half_cv") <= F.lit(half_upto))
+    fate = (judged.join(winners, "half_offset", "left")
+            .join(per_half_discard.select("half_offset", "n_discards"), "half_offset", "left")
+            .withColumn("fate", F.when(F.col("bad_half"), F.lit(REJECTED_FATE))
+                        .when(F.col("w_action") == "COMMIT", F.lit(DELIVERED))
+                        .when(F.col("w_action") == "ROLLBACK", F.lit(ROLLED_BACK))
+                        .when(F.col("n_discards") > 0, F.lit(DISCARDED))
+                        .otherwise(F.lit(PENDING_FATE)))).cache()
+    # Expected queue offsets: per (topic, queue_id), dense, in the winners' commit order.
+    qorder = Window.partitionBy("topic", "queue_id").orderBy("w_cv", "w_op_offset")
+    expected_delivered = (fate.where(F.col("fate") == DELIVERED)
+                          .withColumn("exp_queue_offset", F.row_number().over(qorder) - 1))
+
+    # A discard that the run could not have made: the message was already decided.
+    diffs.append(_diff(fate.where(F.col("w_before_discard") | (F.col("bad_half")
+                                                               & (F.col("n_discards") > 0))),
+                       "discard_of_decided_message", DISCARD.path,
+                       F.concat(F.lit("no discard; decided by op_offset "),
+                                F.coalesce(F.col("w_op_offset").cast("string"),
+                                           F.lit("(rejected half)"))),
+                       F.lit("a discard row")))
+    # A discard must follow the rule it names, at the clock of the run that wrote it.
+    dd = discard_dated.join(judged.select("half_offset", F.col("store_ms").alias("h_store_ms")),
+                            "half_offset", "left")
+    n_requests = requests.groupBy("half_offset").agg(F.count("*").alias("n_requests"))
+    dd = dd.join(n_requests, "half_offset", "left")
+    age = F.greatest(F.col("run_now_ms") - F.col("h_store_ms"), F.lit(0))
+    bad_expired = (F.col("reason") == "EXPIRED") & F.col("reserved_ms").isNotNull() \
+        & (age <= F.col("reserved_ms"))
+    bad_max = (F.col("reason") == "MAX_CHECKS") & F.col("check_max").isNotNull() & (
+        (F.col("check_times") != F.coalesce(F.col("n_requests"), F.lit(0)))
+        | ((F.col("check_budget") == "sent") & (F.col("check_times") != F.col("check_max")))
+        | (F.col("check_times") < F.col("check_max")))
+    bad_reason = ~F.col("reason").isin("EXPIRED", "MAX_CHECKS")
+    diffs.append(_diff(dd.where(F.col("h_store_ms").isNull()), "discard_without_half",
+                       DISCARD.path, "a judged half row", "none"))
+    diffs.append(_diff(
+        dd.where(F.col("h_store_ms").isNotNull() & (bad_expired | bad_max | bad_reason)),
+        "discard_rule_violated", DISCARD.path,
+        F.concat(F.lit("EXPIRED: age > "), F.col("reserved_ms").cast("string"),
+                 F.lit(" ms; MAX_CHECKS: check_times = requests >= check_max = "),
+                 F.col("check_max").cast("string")),
+        F.concat(F.col("reason"), F.lit(" age="), age.cast("string"),
+                 F.lit(" check_times="), F.col("check_times").cast("string"),
+                 F.lit(" requests="), F.coalesce(F.col("n_requests"), F.lit(0)).cast("string"))))
+    diffs.append(_content_diffs(judged, discard_dated.dropDuplicates(["half_offset"]),
+                                DISCARD.path, CONTENT + ("store_ms", "check_immunity_s")))
+
+    # Real topics (I3): exactly one row per delivered message, nowhere else.
+    per_msg = delivered_rows.groupBy("half_offset").agg(
+        F.count("*").alias("n_rows"), F.first("transaction_id").alias("transaction_id"))
+    diffs.append(_diff(per_msg.where("n_rows > 1"), "duplicate_delivery", "topics",
+                       "1 row", F.concat(F.col("n_rows").cast("string"), F.lit(" rows"))))
+    exp = expected_delivered.select("half_offset", "transaction_id", "topic")
+    diffs.append(_diff(exp.join(per_msg.select("half_offset"), "half_offset", "left_anti"),
+                       "missing_delivery", F.concat(F.lit("topics/"), F.col("topic")),
+                       "1 row", "none"))
+    unexpected = (delivered_rows.select("half_offset", "transaction_id", "found_topic")
+                  .join(exp.select("half_offset"), "half_offset", "left_anti")
+                  .join(fate.select("half_offset", "fate"), "half_offset", "left"))
+    diffs.append(_diff(unexpected, "unexpected_delivery",
+                       F.concat(F.lit("topics/"), F.col("found_topic")),
+                       F.concat(F.lit("no row (message "),
+                                F.coalesce(F.col("fate"), F.lit("not judged or unknown")),
+                                F.lit(")")), F.lit("a delivered row")))
+    found_one = delivered_rows.join(exp.select("half_offset", F.col("topic").alias("e_topic")),
+                                    "half_offset")
+    diffs.append(_diff(found_one.where(F.col("found_topic") != F.col("e_topic")),
+                       "wrong_topic", F.concat(F.lit("topics/"), F.col("found_topic")),
+                       F.col("e_topic"), F.col("found_topic")))
+    diffs.append(_content_diffs(expected_delivered, delivered_rows, "topics"))
+    placed = delivered_rows.join(
+        expected_delivered.select("half_offset", "exp_queue_offset", "w_store_ms"), "half_offset")
+    diffs.append(_diff(placed.where(F.col("queue_offset") != F.col("exp_queue_offset")),
+                       "queue_offset_order", F.concat(F.lit("topics/"), F.col("found_topic")),
+                       F.col("exp_queue_offset").cast("string"),
+                       F.col("queue_offset").cast("string")))
+    diffs.append(_diff(placed.where(F.col("commit_ms") != F.col("w_store_ms")),
+                       "commit_ms_mismatch", F.concat(F.lit("topics/"), F.col("found_topic")),
+                       F.col("w_store_ms").cast("string"), F.col("commit_ms").cast("string")))
+    # Dense from 0 without duplicates, whatever the expectation says.
+    q = Window.partitionBy("found_topic", "queue_id").orderBy("queue_offset", "half_offset")
+    dense = delivered_rows.withColumn("_rank", F.row_number().over(q) - 1)
+    diffs.append(_diff(dense.where(F.col("queue_offset") != F.col("_rank")),
+                       "queue_offset_not_dense",
+                       F.concat(F.lit("topics/"), F.col("found_topic"), F.lit(" queue "),
+                                F.col("queue_id").cast("string")),
+                       F.col("_rank").cast("string"), F.col("queue_offset").cast("string")))
+
+    # Pending: exactly the undecided, undiscarded judged halves, unchanged.
+    exp_pending = fate.where(F.col("fate") == PENDING_FATE)
+    pend_n = pending.groupBy("half_offset").agg(F.count("*").alias("n"),
+                                               F.first("transaction_id").alias("transaction_id"))
+    diffs.append(_diff(pend_n.where("n > 1"), "duplicate_pending", PENDING.path, "1 row",
+                       F.concat(F.col("n").cast("string"), F.lit(" rows"))))
+    diffs.append(_diff(exp_pending.join(pend_n.select("half_offset"), "half_offset", "left_anti"),
+                       "missing_pending", PENDING.path, "a pending row", "none"))
+    stray = (pending.join(exp_pending.select("half_offset"), "half_offset", "left_anti")
+             .join(fate.select("half_offset", "fate"), "half_offset", "left"))
+    diffs.append(_diff(stray, "unexpected_pending", PENDING.path,
+                       F.concat(F.lit("no row (message "),
+                                F.coalesce(F.col("fate"), F.lit("not judged or unknown")),
+                                F.lit(")")), F.lit("a pending row")))
+    diffs.append(_content_diffs(exp_pending, pending.dropDuplicates(["half_offset"]),
+                                PENDING.path, CONTENT + ("store_ms", "check_immunity_s")))
+
+    # The job's incremental state: one resolved row per decided message, as recomputed.
+    decided = fate.where(F.col("fate").isin(DELIVERED, ROLLED_BACK))
+    res_n = resolved.groupBy("half_offset").agg(F.count("*").alias("n"),
+                                               F.first("transaction_id").alias("transaction_id"))
+    diffs.append(_diff(res_n.where("n > 1"), "duplicate_resolved", RESOLVED.path, "1 row",
+                       F.concat(F.col("n").cast("string"), F.lit(" rows"))))
+    diffs.append(_diff(decided.join(res_n.select("half_offset"), "half_offset", "left_anti"),
+                       "missing_resolved", RESOLVED.path,
+                       F.concat(F.col("w_action"), F.lit(" by op_offset "),
+                                F.col("w_op_offset").cast("string")), F.lit("none")))
+    diffs.append(_diff(resolved.join(decided.select("half_offset"), "half_offset", "left_anti"),
+                       "unexpected_resolved", RESOLVED.path, "no row",
+                       F.concat(F.col("action"), F.lit(" by op_offset "),
+                                F.col("op_offset").cast("string"))))
+    rj = decided.join(resolved.dropDuplicates(["half_offset"]).select(
+        "half_offset", "action", "op_offset", "source", "op_version"), "half_offset")
+    diffs.append(_diff(rj.where((F.col("action") != F.col("w_action"))
+                                | (F.col("op_offset") != F.col("w_op_offset"))
+                                | (F.col("source") != F.col("w_source"))
+                                | (F.col("op_version") != F.col("w_cv"))),
+                       "resolved_mismatch", RESOLVED.path,
+                       F.concat_ws(" ", F.col("w_action"), F.col("w_source"),
+                                   F.lit("op_offset"), F.col("w_op_offset").cast("string"),
+                                   F.lit("version"), F.col("w_cv").cast("string")),
+                       F.concat_ws(" ", F.col("action"), F.col("source"), F.lit("op_offset"),
+                                   F.col("op_offset").cast("string"), F.lit("version"),
+                                   F.col("op_version").cast("string"))))
+
+    # Next queue offsets carried by the job continue exactly after the last row.
+    rows_per_queue = expected_delivered.groupBy("topic", "queue_id").agg(
+        F.count("*").alias("n_expected"))
+    qj = rows_per_queue.join(queues.select("topic", "queue_id", "next_queue_offset"),
+                             ["topic", "queue_id"], "full_outer")
+    diffs.append(_diff(qj.where(~F.coalesce(F.col("n_expected"), F.lit(0))
+                                .eqNullSafe(F.coalesce(F.col("next_queue_offset"), F.lit(0))))
+                       .withColumn("half_offset", F.lit(None))
+                       .withColumn("transaction_id", F.lit(None)),
+                       "queue_state_mismatch",
+                       F.concat(F.lit(QUEUES.path + " "), F.col("topic"), F.lit(" queue "),
+                                F.col("queue_id").cast("string")),
+                       F.coalesce(F.col("n_expected"), F.lit(0)).cast("string"),
+                       F.col("next_queue_offset").cast("string")))
+
+    # Rejected halves are recorded as such.
+    rej_halves = rejected.where(F.col("source_table") == HALF.path).select(
+        F.col("row_offset").alias("half_offset")).distinct()
+    diffs.append(_diff(fate.where(F.col("fate") == REJECTED_FATE)
+                       .join(rej_halves, "half_offset", "left_anti"),
+                       "missing_rejected", REJECTED.path, "a rejected row", "none"))
+
+    # OPs never applied (invalid, or late after a discard) are on record (I6).
+    rej_ops = (rejected.where(F.col("source_table") == OP.path)
+               .select(F.col("row_offset").alias("op_offset")).distinct())
+    not_applied = o.where(~F.col("valid") | F.col("late"))
+    diffs.append(_diff(not_applied.join(rej_ops, "op_offset", "left_anti"),
+                       "unrecorded_rejected_op", REJECTED.path,
+                       F.concat(F.lit("a rejected row for op_offset "),
+                                F.col("op_offset").cast("string")), F.lit("none")))
+    applied = o.where(F.col("valid") & ~F.col("late")).select("op_offset", "half_offset",
+                                                              "transaction_id")
+    diffs.append(_diff(applied.join(rej_ops, "op_offset"), "valid_op_rejected", REJECTED.path,
+                       F.concat(F.lit("op_offset "), F.col("op_offset").cast("string"),
+                                F.lit(" valid")), F.lit("recorded as rejected")))
+
+    all_diffs = diffs[0]
+    for d in diffs[1:]:
+        all_diffs = all_diffs.unionByName(d)
+    all_diffs = all_diffs.cache()
+    by_kind = {r["kind"]: r["n"] for r in
+               all_diffs.groupBy("kind").agg(F.count("*").alias("n")).collect()}
+    listed = [r.asDict() for r in
+              all_diffs.orderBy(F.col("half_offset").asc_nulls_last(), "kind")
+              .limit(MAX_LISTED).collect()]
+
+    fates = {r["fate"]: r["n"] for r in fate.groupBy("fate").agg(F.count("*").alias("n")).collect()}
+    op_stats = o.agg(
+        F.count("*").alias("ops_judged"),
+        F.sum(F.when(~F.col("valid"), 1).otherwise(0)).alias("invalid_ops"),
+        F.sum(F.when(F.col("late"), 1).otherwise(0)).alias("late_ops")).first().asDict()
+    counts = {
+        "halves_judged": sum(fates.values()),
+        "halves_not_yet_processed": _newer_rows(spark, table_path(wh, HALF),
+                                                half.count()),
+        "delivered": fates.get(DELIVERED, 0),
+        "rolled_back": fates.get(ROLLED_BACK, 0),
+        "discarded": fates.get(DISCARDED, 0),
+        "pending": fates.get(PENDING_FATE, 0),
+        "rejected": fates.get(REJECTED_FATE, 0),
+        "ops_judged": op_stats["ops_judged"],
+        "invalid_ops": op_stats["invalid_ops"] or 0,
+        "late_ops": op_stats["late_ops"] or 0,
+        "topic_tables": len(topic_names),
+        "committed_runs": len(committed),
+    }
+    for df in (half, op, o, fate, delivered_rows, all_diffs):
+        df.unpersist()
+    judged_run = None
+    if last is not None:
+        judged_run = {"run_id": last["run_id"], "run_number": last["run_number"],
+                      "half_version": half_upto, "op_version": op_upto}
+    return VerifyReport(ok=not by_kind, differences=listed, counts=counts,
+                        differences_by_kind=by_kind, notes=notes, judged_run=judged_run)

@@ -1,0 +1,169 @@
+"""Benchmark of the reconciliation job (issue 3; a script printing figures, not a test).
+
+In one invocation:
+  1. a run over B new messages on an empty warehouse (H = 0);
+  2. a run over B new messages after a history of H = 10 x B resolved ones;
+     the ratio 2/1 shows whether the run scales with what is new, not with history
+     (target <= 1.3);
+  3. the lower bound: Spark reading the same B new half + OP rows (change data
+     feed) and writing the delivered rows once; ratio run/lower bound (target <= 3);
+  4. the wall time of `txn-reconcile run` with nothing new, Spark start included,
+     in a fresh process (target <= 20 s).
+Producer rows are written with delta-rs in big batches (no broker core), with
+the mix: 85 % commit, 10 % roll back, 5 % stay pending.
+
+    python scripts/bench_reconcile.py --batch 200000
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import write_deltalake
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from schemas import HALF, OP, table_path  # noqa: E402
+from schemas.arrow import arrow_schema  # noqa: E402
+from txn_core.tables import ensure_broker_tables  # noqa: E402
+
+TOPICS = ("ORDER", "PAY", "SHIP", "BILL")
+CHUNK = 250_000
+NOW = 10**12
+
+
+def _strings(prefix: str, offsets: pa.Array) -> pa.Array:
+    return pc.binary_join_element_wise(prefix, pc.cast(offsets, pa.string()), "")
+
+
+def half_batch(start: int, n: int, body_bytes: int, store_ms: int) -> pa.Table:
+    idx = range(start, start + n)
+    off = pa.array(idx, pa.int64())
+    props = pa.MapArray.from_arrays(pa.array(range(0, 2 * n + 1, 2), pa.int32()),
+                                    pa.array(["k", "n"] * n), pa.array(["v", "x"] * n))
+    cols = {
+        "half_offset": off, "transaction_id": _strings("tx-", off),
+        "msg_id": _strings("msg-", off), "producer_group": pa.array(["bench_group"] * n),
+        "topic": pa.array([TOPICS[i % len(TOPICS)] for i in idx]),
+        "queue_id": pa.array([i % 8 for i in idx], pa.int32()),
+        "tags": pa.array(["t"] * n), "keys": _strings("k-", off),
+        "body": pa.array([b"x" * body_bytes] * n, pa.binary()), "properties": props,
+        "born_ms": pa.array([store_ms - 1] * n, pa.int64()),
+        "store_ms": pa.array([store_ms] * n, pa.int64()),
+        "check_immunity_s": pa.nulls(n, pa.int32()),
+    }
+    return pa.table(cols, schema=arrow_schema(HALF))
+
+
+def op_batch(start: int, n: int, store_ms: int, pending: bool) -> pa.Table:
+    """OPs for a batch: offset % 20 == 0 stays pending (if asked), 1 and 2 roll back."""
+    decided = [i for i in range(start, start + n) if not (pending and i % 20 == 0)]
+    off = pa.array(decided, pa.int64())
+    m = len(decided)
+    cols = {
+        "op_offset": pa.array([i + (1 << 40) for i in decided], pa.int64()), "half_offset": off,
+        "transaction_id": _strings("tx-", off), "producer_group": pa.array(["bench_group"] * m),
+        "action": pa.array(["ROLLBACK" if i % 20 in (1, 2) else "COMMIT" for i in decided]),
+        "source": pa.array(["PRODUCER"] * m),
+        "store_ms": pa.array([store_ms + 1] * m, pa.int64()),
+        "remark": pa.nulls(m, pa.string()),
+    }
+    return pa.table(cols, schema=arrow_schema(OP))
+
+
+def fill(warehouse: str, start: int, n: int, body_bytes: int, store_ms: int,
+         leave_pending: bool) -> None:
+    ensure_broker_tables(warehouse)
+    for s in range(start, start + n, CHUNK):
+        k = min(CHUNK, start + n - s)
+        write_deltalake(table_path(warehouse, HALF), half_batch(s, k, body_bytes, store_ms),
+                        mode="append")
+    for s in range(start, start + n, CHUNK):
+        k = min(CHUNK, start + n - s)
+        write_deltalake(table_path(warehouse, OP), op_batch(s, k, store_ms, leave_pending),
+                        mode="append")
+
+
+def timed(fn) -> tuple[float, object]:
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def lower_bound(spark, warehouse: str, start_half_v: int, start_op_v: int, out: str) -> float:
+    """Read B new half + OP rows from the change feed, write the delivered rows once."""
+    def run():
+        def feed(path, after):
+            return (spark.read.format("delta").option("readChangeFeed", "true")
+                    .option("startingVersion", after + 1).load(path)
+                    .where("_change_type = 'insert'"))
+        half = feed(table_path(warehouse, HALF), start_half_v)
+        ops = feed(table_path(warehouse, OP), start_op_v).where("action = 'COMMIT'")
+        (half.join(ops.select("half_offset"), "half_offset")
+         .drop("_change_type", "_commit_version", "_commit_timestamp")
+         .write.format("delta").mode("append").save(out))
+    return timed(run)[0]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--batch", type=int, default=1_000_000, help="B, new messages per run")
+    p.add_argument("--history-factor", type=int, default=10, help="H = factor x B")
+    p.add_argument("--body-bytes", type=int, default=100)
+    p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    args = p.parse_args(argv)
+    b, h = args.batch, args.history_factor * args.batch
+    root = args.dir or tempfile.mkdtemp(prefix="bench-reconcile-")
+
+    from jobs.reconcile import reconcile
+    from jobs.session import build_spark
+    spark = build_spark("bench-reconcile")
+    cfg = lambda wh: {"warehouse": wh}  # noqa: E731
+
+    fresh = os.path.join(root, "fresh")
+    fill(fresh, 0, b, args.body_bytes, NOW, leave_pending=True)
+    t_fresh, s_fresh = timed(lambda: reconcile(spark, cfg(fresh), now_ms=NOW + 1000))
+
+    hist = os.path.join(root, "history")
+    fill(hist, 0, h, args.body_bytes, NOW - 10_000, leave_pending=False)
+    t_build, _ = timed(lambda: reconcile(spark, cfg(hist), now_ms=NOW))
+    from deltalake import DeltaTable
+    half_v = DeltaTable(table_path(hist, HALF)).version()
+    op_v = DeltaTable(table_path(hist, OP)).version()
+    fill(hist, h, b, args.body_bytes, NOW, leave_pending=True)
+    t_hist, s_hist = timed(lambda: reconcile(spark, cfg(hist), now_ms=NOW + 1000))
+
+    t_lower = lower_bound(spark, hist, half_v, op_v, os.path.join(root, "lower_bound"))
+    spark.stop()
+
+    t0 = time.perf_counter()
+    empty = subprocess.run([sys.executable, "-m", "jobs.reconcile", "run", "--warehouse", fresh,
+                            "--now-ms", str(NOW + 1000)], capture_output=True, text=True,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    t_empty = time.perf_counter() - t0
+
+    print(f"B = {b:,} new messages per run (85% commit, 10% rollback, 5% pending), "
+          f"H = {h:,} resolved before, body {args.body_bytes} B, cores = {os.cpu_count()}")
+    print(f"run over B, H = 0            : {t_fresh:8.1f} s  (committed {s_fresh.committed:,}, "
+          f"rolled back {s_fresh.rolled_back:,}, pending {s_fresh.pending_after:,})")
+    print(f"run over B, H = {h:<12,}: {t_hist:8.1f} s  (history run itself {t_build:.1f} s)")
+    print(f"history ratio                : {t_hist / t_fresh:8.2f}   (target <= 1.3)")
+    print(f"lower bound (read B, write delivered once): {t_lower:.1f} s")
+    print(f"run / lower bound            : {t_hist / t_lower:8.2f}   (target <= 3)")
+    print(f"empty run, new process       : {t_empty:8.1f} s  exit {empty.returncode} "
+          f"(target <= 20 s)")
+    if empty.returncode:
+        print(empty.stderr[-2000:], file=sys.stderr)
+    if not args.dir:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

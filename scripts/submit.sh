@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Run the reconciliation job through pyspark's own spark-submit, on any master.
+#
+#   scripts/submit.sh run --conf conf/reconcile.toml
+#   TXN_SPARK_MASTER=spark://host:7077 scripts/submit.sh run --conf conf/reconcile.toml
+#
+# The project's code travels to the executors as dist/txn_pyfiles.zip
+# (--py-files), rebuilt on every call so a cluster never runs stale code.
+# The Delta jar is resolved by Ivy, which finds it in ~/.m2 once
+# `make setup` has run (no network needed then).
+# Environment: TXN_SPARK_MASTER (default local[2]), PYTHON (default python3),
+# PYSPARK_PYTHON (the executors' interpreter; default: the same as PYTHON,
+# right for local and loopback masters, set it for a real cluster),
+# TXN_SUBMIT_ARGS (extra spark-submit options, split on spaces).
+# The job's exit code is passed through unchanged (0 / 2 / 75 / 1).
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+python="${PYTHON:-python3}"
+spark_bin="$("$python" -c 'import os, pyspark; print(os.path.join(os.path.dirname(pyspark.__file__), "bin"))')"
+# Read the jar coordinate from jobs/session.py, so there is one place to bump it.
+delta_jar="$(cd "$repo" && "$python" -c 'from jobs.session import DELTA_JAR; print(DELTA_JAR)')"
+pyfiles="$("$python" "$repo/scripts/build_pyfiles.py")"
+
+export PYSPARK_PYTHON="${PYSPARK_PYTHON:-$(command -v "$python")}"
+# SPARK_TESTING makes Ivy look in ./dummy/.m2 instead of ~/.m2 (SPEC §7).
+unset SPARK_TESTING
+
+# shellcheck disable=SC2086  # TXN_SUBMIT_ARGS is meant to split into options
+exec "$spark_bin/spark-submit" \
+  --master "${TXN_SPARK_MASTER:-local[2]}" \
+  --packages "$delta_jar" \
+  --conf spark.sql.extensions=io.delta.sql.DeltaSparkSessionExtension \
+  --conf spark.sql.catalog.spark_catalog=org.apache.spark.sql.delta.catalog.DeltaCatalog \
+  --py-files "$pyfiles" \
+  ${TXN_SUBMIT_ARGS:-} \
+  "$repo/jobs/reconcile.py" "$@"

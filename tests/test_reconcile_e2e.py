@@ -1,0 +1,165 @@
+"""The job end to end on real Delta tables: producer rows written with delta-rs
+(tests/factories.py) so every store_ms is exact, runs with a fixed clock."""
+from __future__ import annotations
+
+import os
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable
+
+import factories as fx
+from jobs.reconcile import reconcile
+from jobs.status import status
+from schemas import CHECK_REQUESTS, DISCARD, HALF, REJECTED, RUNS, table_path, topic_path
+
+T0 = 10_000_000
+HOUR = 3_600_000
+
+
+def rows(path: str, *, sort: str = "half_offset") -> list[dict]:
+    return sorted(DeltaTable(path).to_pyarrow_table().to_pylist(), key=lambda r: r[sort])
+
+
+def test_runs_resolve_deliver_check_and_discard_across_runs(spark, warehouse):
+    cfg = {"warehouse": warehouse, "check_max": 1, "reserved_hours": 1}
+    h1, h2, h5 = (fx.half(store_ms=T0 - 1000) for _ in range(3))
+    h4 = fx.half(store_ms=T0 - 10_000)
+    h3 = fx.half(store_ms=T0 - 1000, topic="PAY", queue_id=1,
+                 body=bytes(range(256)), keys="k\u00e9 y", tags="t|x",
+                 properties={"\u00fc": "\x00", "empty": ""})
+    h_unchecked = fx.half(store_ms=T0 - 1000, check_immunity_s=3600)
+    h_answered = fx.half(store_ms=T0 - 100_000)
+    h_late, h_admin = (fx.half(store_ms=T0 - HOUR - 1) for _ in range(2))
+    bad = fx.half(store_ms=T0, topic="no such topic")
+    fx.write_halves(warehouse, h1, h2, h3, h4, h5, h_unchecked, h_answered, h_late, h_admin,
+                    bad)
+    # h2's OP is committed before h1's although its op_offset is larger: commit order wins
+    fx.write_ops(warehouse, fx.op(h2, op_offset=900), fx.op(h5, "ROLLBACK"))
+    fx.write_ops(warehouse, fx.op(h1, op_offset=100), fx.op(h3), fx.op(h2),
+                 fx.op(h5, "COMMIT"), fx.op(h4, producer_group="other_group"),
+                 fx.op(fx.half(10**12)))
+
+    first = reconcile(spark, cfg, now_ms=T0)
+
+    assert (first.half_read, first.op_read, first.committed, first.rolled_back) == (10, 8, 3, 1)
+    assert (first.duplicate_ops, first.conflicting_ops, first.invalid_ops) == (1, 1, 2)
+    assert first.delivered_by_topic == {"ORDER": 2, "PAY": 1}
+    # h4 and h_answered are past immunity; h_unchecked has its own hour
+    assert (first.check_requests, first.discarded_expired, first.pending_after) == (2, 2, 3)
+    assert first.oldest_pending_age_ms == 100_000 and first.pending_before == 0
+    order = rows(topic_path(warehouse, "ORDER"), sort="queue_offset")
+    assert [(r["half_offset"], r["queue_offset"]) for r in order] == \
+        [(h2["half_offset"], 0), (h1["half_offset"], 1)]
+    pay = rows(topic_path(warehouse, "PAY"))[0]
+    for key in ("body", "keys", "tags", "msg_id", "transaction_id", "born_ms", "queue_id"):
+        assert pay[key] == h3[key]
+    assert dict(pay["properties"]) == h3["properties"]
+    requests = rows(table_path(warehouse, CHECK_REQUESTS))
+    assert [(r["half_offset"], r["check_times"], r["request_id"]) for r in requests] == [
+        (h4["half_offset"], 1, f"{first.run_id}-{h4['half_offset']}"),
+        (h_answered["half_offset"], 1, f"{first.run_id}-{h_answered['half_offset']}")]
+    rejected = rows(table_path(warehouse, REJECTED), sort="reason")
+    assert [r["reason"] for r in rejected] == [
+        "INVALID: producer_group mismatch", "INVALID: unknown half_offset",
+        "invalid topic name"]
+
+    # Producers answer, decide and override between the runs.
+    fx.write_answers(warehouse, fx.answer(requests[1]["request_id"], h_answered, "UNKNOWN"))
+    h6 = fx.half(store_ms=T0 + 1)
+    fx.write_halves(warehouse, h6)
+    fx.write_ops(warehouse, fx.op(h6), fx.op(h_late, source="CHECK"))
+    fx.write_ops(warehouse, fx.op(h4), fx.op(h_admin, source="ADMIN"))
+
+    second = reconcile(spark, cfg, now_ms=T0 + 40_000)
+
+    assert (second.committed, second.late_ops, second.discarded_max_checks) == (3, 1, 1)
+    assert second.delivered_by_topic == {"ORDER": 3}
+    order = rows(topic_path(warehouse, "ORDER"), sort="queue_offset")
+    assert [r["queue_offset"] for r in order] == [0, 1, 2, 3, 4]
+    assert [r["half_offset"] for r in order[2:]] == \
+        [h6["half_offset"], h4["half_offset"], h_admin["half_offset"]]
+    discard = {r["half_offset"]: r["reason"] for r in rows(table_path(warehouse, DISCARD))}
+    assert discard == {h_late["half_offset"]: "EXPIRED", h_admin["half_offset"]: "EXPIRED",
+                       h_answered["half_offset"]: "MAX_CHECKS"}
+    assert second.pending_after == 1 and second.pending_before == 3
+
+    versions = _versions(warehouse)
+    empty = reconcile(spark, cfg, now_ms=T0 + 40_000)
+    assert (empty.half_read, empty.op_read, empty.check_requests, empty.pending_after) == \
+        (0, 0, 0, 1)
+    assert empty.prev_op_version == second.op_version == empty.op_version
+    changed = {p for p, v in _versions(warehouse).items() if versions.get(p) != v}
+    assert changed == {"_sys/runs", "_sys/lease"}
+
+    report = status(spark, cfg, now_ms=T0 + 1000)
+    assert (report.pending, report.oldest_pending_age_ms) == (1, 2000)
+    assert report.pending_by_topic == {"ORDER": 1}
+    assert report.pending_by_producer_group == {fx.GROUP: 1}
+    assert not report.interrupted
+
+
+def test_delta_rs_reads_check_requests_and_topics_with_change_feed(spark, warehouse):
+    h1, h2 = fx.half(store_ms=0), fx.half(store_ms=0)
+    fx.write_halves(warehouse, h1, h2)
+    fx.write_ops(warehouse, fx.op(h1))
+    reconcile(spark, {"warehouse": warehouse}, now_ms=60_000)
+    expected = {table_path(warehouse, CHECK_REQUESTS): h2, topic_path(warehouse, "ORDER"): h1}
+    for path, message in expected.items():
+        table = DeltaTable(path)
+        assert table.to_pyarrow_table().num_rows == 1
+        feed = pa.table(table.load_cdf(starting_version=0).read_all()).to_pylist()
+        assert [r["half_offset"] for r in feed if r["_change_type"] == "insert"] == \
+            [message["half_offset"]]
+
+
+def test_dry_run_computes_the_summary_and_writes_nothing(spark, warehouse):
+    h1, h2 = fx.half(store_ms=0), fx.half(store_ms=0)
+    fx.write_halves(warehouse, h1, h2)
+    fx.write_ops(warehouse, fx.op(h1))
+    before = _tree(warehouse)
+
+    summary = reconcile(spark, {"warehouse": warehouse}, now_ms=60_000, dry_run=True)
+
+    assert (summary.committed, summary.check_requests, summary.dry_run) == (1, 1, True)
+    assert summary.delivered_by_topic == {"ORDER": 1}
+    assert _tree(warehouse) == before
+
+
+def test_empty_warehouse_run_succeeds_with_zero_counters(spark, warehouse):
+    summary = reconcile(spark, {"warehouse": warehouse}, now_ms=5)
+    d = summary.to_dict()
+    assert d["run_number"] == 1 and d["pending_after"] == 0 and d["half_read"] == 0
+    assert d["oldest_pending_age_ms"] is None and d["delivered_by_topic"] == {}
+    assert DeltaTable(table_path(warehouse, HALF)).version() == 0
+
+
+def _versions(warehouse: str) -> dict[str, int]:
+    out = {}
+    for root, dirs, _ in os.walk(warehouse):
+        if "_delta_log" in dirs:
+            out[os.path.relpath(root, warehouse)] = DeltaTable(root).version()
+            dirs.clear()
+    return out
+
+
+def _tree(warehouse: str) -> list[tuple[str, int]]:
+    return sorted((os.path.relpath(os.path.join(r, f), warehouse),
+                   os.path.getsize(os.path.join(r, f)))
+                  for r, _, files in os.walk(warehouse) for f in files)
+
+
+def test_log_cleaned_beyond_the_cursor_fails_clearly_and_writes_nothing(spark, warehouse):
+    from jobs.state import HistoryGoneError
+    from txn_core.config import load_config
+    fx.write_halves(warehouse, fx.half(store_ms=0))
+    fx.write_halves(warehouse, fx.half(store_ms=0))
+    half_path = table_path(warehouse, HALF)
+    DeltaTable(half_path).create_checkpoint()
+    os.remove(os.path.join(half_path, "_delta_log", f"{0:020d}.json"))  # as log clean-up does
+
+    with pytest.raises(HistoryGoneError, match="no longer holds version 0"):
+        reconcile(spark, load_config(warehouse=warehouse), now_ms=1)
+    assert not os.path.exists(topic_path(warehouse, "ORDER"))
+    runs = DeltaTable(table_path(warehouse, RUNS)).to_pyarrow_table().to_pylist()
+    assert [r["status"] for r in runs] == ["STARTED"]  # the next run retries the same intent

@@ -1,0 +1,133 @@
+"""I4: killing a run at any step and running again gives the same tables as a
+run that was never killed. Faults are injected by TXN_FAULT_AT (jobs/faults.py)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from deltalake import DeltaTable
+
+import factories as fx
+from jobs import faults
+from jobs.faults import FAULT_EXIT_CODE, InjectedFault
+from jobs.lease import LeaseHeld
+from jobs.reconcile import reconcile, recover
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+T = 500 * 3_600_000
+#: producer-side and lease tables are not outputs of the job
+NOT_OUTPUTS = {"_sys/half", "_sys/op", "_sys/check_answers", "_sys/producers", "_sys/lease"}
+#: wall-clock columns: the only ones allowed to differ between a redo and a clean run
+WALL_CLOCK = {"started_ms", "ended_ms", "summary_json", "duration_ms"}
+STEPS = ["after_lease", "after_intent", "after:topics/ORDER", "after:_sys/check_requests",
+         "after:_sys/discard", "after:_sys/resolved", "after:_sys/rejected",
+         "after:_sys/queues", "after:_sys/pending", "after_commit"]
+
+
+def outputs(warehouse: str) -> dict[str, list]:
+    """Every output table's rows (wall-clock columns removed), order-independent."""
+    tables = {}
+    for root, dirs, _ in os.walk(warehouse):
+        if "_delta_log" not in dirs:
+            continue
+        dirs.clear()
+        name = os.path.relpath(root, warehouse)
+        if name in NOT_OUTPUTS:
+            continue
+        rows = DeltaTable(root).to_pyarrow_table().to_pylist()
+        tables[name] = sorted(repr(sorted((k, _plain(v)) for k, v in r.items()
+                                          if k not in WALL_CLOCK)) for r in rows)
+    return tables
+
+
+def _plain(value):
+    """Maps compare as sets of entries: Delta does not promise their order."""
+    return sorted(value) if isinstance(value, list) else value
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> str:
+    """Producer tables whose first run writes every output table."""
+    wh = str(tmp_path_factory.mktemp("base") / "warehouse")
+    os.makedirs(wh)
+    delivered, checked, expired, waiting = (fx.half(store_ms=T - 100_000), fx.half(store_ms=T - 100_000),
+                                            fx.half(store_ms=T - 73 * 3_600_000), fx.half(store_ms=T))
+    fx.write_halves(wh, delivered, checked, expired, waiting, fx.half(store_ms=T, topic="bad topic"))
+    fx.write_ops(wh, fx.op(delivered), fx.op(delivered, "ROLLBACK"))
+    return wh
+
+
+@pytest.fixture(scope="module")
+def baseline(spark, base, tmp_path_factory):
+    wh = str(tmp_path_factory.mktemp("clean") / "warehouse")
+    shutil.copytree(base, wh)
+    faults.SEEN.clear()
+    summary = reconcile(spark, {"warehouse": wh}, now_ms=T)
+    assert faults.SEEN == STEPS, "the scenario must reach every write step"
+    return outputs(wh), summary
+
+
+def _copy(base: str, tmp_path) -> str:
+    wh = str(tmp_path / "warehouse")
+    shutil.copytree(base, wh)
+    return wh
+
+
+def _later() -> float:
+    return time.time() + 3600  # the crashed run's lease (ttl 600 s) has expired
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", STEPS)
+def test_kill_at_step_then_rerun_gives_the_uninterrupted_tables(spark, base, baseline, step,
+                                                                 tmp_path, monkeypatch):
+    clean_tables, clean_summary = baseline
+    wh = _copy(base, tmp_path)
+    cfg = {"warehouse": wh}
+    monkeypatch.setenv("TXN_FAULT_AT", step)
+    with pytest.raises(InjectedFault):
+        reconcile(spark, cfg, now_ms=T)
+    monkeypatch.delenv("TXN_FAULT_AT")
+    with pytest.raises(LeaseHeld):  # the "dead" run's lease holds until it expires
+        reconcile(spark, cfg, now_ms=T)
+
+    redone = recover(spark, cfg, clock=_later)
+    if step == "after_lease":  # died before its intent: there is nothing to redo
+        assert redone is None
+        reconcile(spark, cfg, now_ms=T, clock=_later)
+    elif step == "after_commit":
+        assert redone is None
+    else:
+        drop = {"duration_ms", "redone_run_id"}
+        assert {k: v for k, v in redone.to_dict().items() if k not in drop} == \
+            {k: v for k, v in clean_summary.to_dict().items() if k not in drop}
+    assert outputs(wh) == clean_tables
+
+
+@pytest.mark.slow
+def test_process_killed_mid_run_is_redone_by_the_next_process(base, baseline, tmp_path):
+    clean_tables, clean_summary = baseline
+    wh = _copy(base, tmp_path)
+    cmd = [sys.executable, "-m", "jobs.reconcile", "run", "--warehouse", wh, "--now-ms", str(T)]
+    env = {**os.environ, "TXN_FAULT_AT": "after:_sys/resolved", "TXN_FAULT_MODE": "exit",
+           "PYTHONPATH": REPO}
+    killed = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == FAULT_EXIT_CODE, killed.stderr[-2000:]
+    assert killed.stdout == ""
+
+    env = {k: v for k, v in env.items() if not k.startswith("TXN_FAULT")}
+    rerun = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+    # the dead process's lease is recognised as stale (same host, pid gone): exit 0 at once
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    summary = json.loads(rerun.stdout.strip().splitlines()[-1])
+    assert summary["redone_run_id"] == clean_summary.run_id
+    assert summary["run_number"] == 2 and summary["half_read"] == 0
+    tables = outputs(wh)
+    tables["_sys/runs"] = [r for r in tables["_sys/runs"] if "('run_number', 2)" not in r]
+    assert tables == clean_tables

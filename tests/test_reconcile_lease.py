@@ -1,0 +1,104 @@
+"""One run at a time (exit 75), and the command line's exit codes."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from deltalake import DeltaTable
+from deltalake.exceptions import CommitFailedError
+
+import factories as fx
+from jobs.lease import Lease, LeaseHeld
+from jobs.reconcile import main, reconcile
+from schemas import HALF, table_path
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jobs.reconcile", *args], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO, **(env or {})},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_unexpired_lease_of_another_holder_is_refused(warehouse):
+    held = Lease(warehouse, ttl_s=60).acquire()
+    with pytest.raises(LeaseHeld, match=held.holder):
+        Lease(warehouse, ttl_s=60).acquire()
+    held.release()
+    Lease(warehouse, ttl_s=60).acquire()  # released: free again
+
+
+def test_expired_lease_is_taken_over(warehouse):
+    Lease(warehouse, ttl_s=60).acquire()  # never released, as by a crash
+    with pytest.raises(LeaseHeld):
+        Lease(warehouse, ttl_s=60, clock=lambda: time.time() + 59).acquire()
+    taker = Lease(warehouse, ttl_s=60, clock=lambda: time.time() + 61).acquire()
+    assert taker.current().holder == taker.holder
+
+
+def test_of_two_runners_reading_the_same_version_only_one_commits(warehouse):
+    slow = Lease(warehouse, ttl_s=60)
+    table, row = slow._read()
+    assert row is None
+    Lease(warehouse, ttl_s=60).acquire()  # the other runner commits first
+    with pytest.raises(CommitFailedError):
+        slow._write(table, "ACQUIRE", 0)
+
+
+def test_renewal_fails_once_another_run_took_over(warehouse):
+    from jobs.lease import LeaseLost
+    now = [1000.0]
+    mine = Lease(warehouse, ttl_s=30, clock=lambda: now[0]).acquire()
+    now[0] += 31
+    Lease(warehouse, ttl_s=30, clock=lambda: now[0]).acquire()
+    with pytest.raises(LeaseLost):
+        mine.keep_alive()
+
+
+def test_overlapping_run_raises_lease_held_and_changes_no_table(spark, warehouse):
+    fx.write_halves(warehouse, fx.half(store_ms=0))
+    other = Lease(warehouse, ttl_s=600).acquire()
+    before = DeltaTable(table_path(warehouse, HALF)).version(), sorted(os.listdir(warehouse))
+    with pytest.raises(LeaseHeld):
+        reconcile(spark, {"warehouse": warehouse}, now_ms=10**9)
+    assert (DeltaTable(table_path(warehouse, HALF)).version(), sorted(os.listdir(warehouse))) \
+        == before
+    assert not os.path.exists(os.path.join(warehouse, "_sys", "runs"))
+    assert other.current().holder == other.holder
+
+
+def test_cli_exits_75_when_the_lease_is_held_and_writes_nothing(warehouse):
+    Lease(warehouse, ttl_s=600).acquire()
+    lease_version = DeltaTable(os.path.join(warehouse, "_sys", "lease")).version()
+    result = _cli("run", "--warehouse", warehouse)
+    assert result.returncode == 75, result.stderr
+    assert "lease" in result.stderr and result.stdout == ""
+    assert sorted(os.listdir(os.path.join(warehouse, "_sys"))) == ["lease"]
+    assert DeltaTable(os.path.join(warehouse, "_sys", "lease")).version() == lease_version
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["run", "--conf", "/nonexistent/reconcile.toml"], "does not exist"),
+    (["run", "--check-budget", "weekly"], "check_budget"),
+    (["run", "--check-max", "-1"], "check_max"),
+])
+def test_cli_exits_2_on_bad_configuration(tmp_path, args, needle):
+    result = _cli(*args, "--warehouse", str(tmp_path / "wh"))
+    assert result.returncode == 2
+    assert needle in result.stderr
+    assert not (tmp_path / "wh").exists()
+
+
+def test_bad_environment_value_and_bad_arguments_exit_2(tmp_path, capsys):
+    wh = str(tmp_path / "wh")
+    assert _cli("run", "--warehouse", wh, env={"TXN_CHECK_MAX": "many"}).returncode == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["resolve", "--transaction-id", "x"])  # neither --commit nor --rollback
+    assert exc.value.code == 2
+    assert main(["run", "--warehouse", wh, "--now-ms", "-5"]) == 2
+    assert "now-ms" in capsys.readouterr().err
+    assert not os.path.exists(wh)

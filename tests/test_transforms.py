@@ -1,0 +1,297 @@
+"""The rules of SPEC §5.2 on in-memory DataFrames (no tables): one test per boundary."""
+from __future__ import annotations
+
+import pytest
+from chispa import assert_df_equality
+
+import factories as fx
+from jobs import transforms as T
+from schemas import CHECK_ANSWERS, DISCARD, HALF, OP, PENDING, QUEUES, RESOLVED, TOPIC
+from schemas.spark import spark_schema
+
+NOW = 1_000_000
+
+
+def rules(**kw) -> T.Rules:
+    base = dict(run_id="run-7", run_number=7, now_ms=NOW, transaction_timeout_ms=6000,
+                check_max=15, check_interval_ms=30000, reserved_ms=72 * 3_600_000,
+                max_checks_per_run=0, check_budget="answered")
+    base.update(kw)
+    return T.Rules(**base)
+
+
+def pending_df(spark, *rows: dict):
+    full = [{"checks_sent": 0, "checks_undecided": 0, "last_check_ms": None,
+             "run_number": 1, **r} for r in rows]
+    return spark.createDataFrame(full, spark_schema(PENDING))
+
+
+def halves_df(spark, *rows: dict):
+    return spark.createDataFrame(list(rows), spark_schema(HALF))
+
+
+def ops_df(spark, *rows: tuple[dict, int]):
+    """OP rows with the table version (commit_version) they were committed in."""
+    schema = spark_schema(OP).add("commit_version", "long", False)
+    return spark.createDataFrame([{**r, "commit_version": v} for r, v in rows], schema)
+
+
+def decisions(spark, r: T.Rules, *rows: dict) -> dict[int, str]:
+    out = T.decide(pending_df(spark, *rows), r).select("half_offset", "decision").collect()
+    return {row["half_offset"]: row["decision"] for row in out}
+
+
+# --- age, immunity, interval, expiry --------------------------------------------------------
+
+def test_age_equal_to_immunity_is_immune_and_one_ms_more_is_checked(spark):
+    r = rules()
+    got = decisions(spark, r, fx.half(1, store_ms=NOW - 6000), fx.half(2, store_ms=NOW - 6001))
+    assert got == {1: T.WAIT, 2: T.CHECK}
+
+
+def test_per_message_immunity_overrides_the_default_and_negative_means_default(spark):
+    r = rules()
+    got = decisions(spark, r,
+                    fx.half(1, store_ms=NOW - 60_000, check_immunity_s=60),   # exactly 60 s: immune
+                    fx.half(2, store_ms=NOW - 60_001, check_immunity_s=60),   # 1 ms past: checked
+                    fx.half(3, store_ms=NOW - 1, check_immunity_s=0),         # no floor
+                    fx.half(4, store_ms=NOW - 6000, check_immunity_s=-1),     # default 6 s: immune
+                    fx.half(5, store_ms=NOW - 5000, check_immunity_s=None))
+    assert got == {1: T.WAIT, 2: T.CHECK, 3: T.CHECK, 4: T.WAIT, 5: T.WAIT}
+
+
+def test_message_stored_in_the_future_has_age_zero(spark):
+    r = rules(transaction_timeout_ms=0)
+    df = T.decide(pending_df(spark, fx.half(1, store_ms=NOW + 50_000)), r)
+    row = df.select("age_ms", "decision").first()
+    assert (row["age_ms"], row["decision"]) == (0, T.WAIT)
+
+
+def test_check_interval_is_respected(spark):
+    r = rules()
+    old = NOW - 100_000
+    got = decisions(spark, r,
+                    fx.half(1, store_ms=old, checks_sent=1, last_check_ms=NOW - 29_999),
+                    fx.half(2, store_ms=old, checks_sent=1, last_check_ms=NOW - 30_000))
+    assert got == {1: T.WAIT, 2: T.CHECK}
+
+
+def test_expire_after_reserved_hours_without_check(spark):
+    r = rules(reserved_ms=3_600_000)
+    got = decisions(spark, r, fx.half(1, store_ms=NOW - 3_600_000),
+                    fx.half(2, store_ms=NOW - 3_600_001))
+    assert got == {1: T.CHECK, 2: T.EXPIRED}
+    out = T.discards(T.decide(pending_df(spark, fx.half(2, store_ms=NOW - 3_600_001,
+                                                        checks_sent=3)), r), r)
+    row = out.first()
+    assert (row["reason"], row["check_times"], row["discarded_ms"], row["run_id"]) == \
+        ("EXPIRED", 3, NOW, "run-7")
+
+
+def test_max_checks_per_run_takes_the_oldest_first(spark):
+    r = rules(max_checks_per_run=2)
+    got = decisions(spark, r, fx.half(10, store_ms=NOW - 50_000),
+                    fx.half(11, store_ms=NOW - 90_000), fx.half(12, store_ms=NOW - 70_000),
+                    fx.half(9, store_ms=NOW - 70_000))
+    # 11 is oldest; 9 and 12 tie on store_ms and half_offset breaks the tie
+    assert got == {11: T.CHECK, 9: T.CHECK, 12: T.WAIT, 10: T.WAIT}
+
+
+# --- check_max in both budget modes --------------------------------------------------------
+
+def _simulate_checks(spark, budget: str, answer_each_check: bool) -> tuple[int, str]:
+    """Run the check rules run after run, 30 s apart, on one never-decided message."""
+    msg = fx.half(1, store_ms=0)
+    pend = pending_df(spark, msg)
+    requests = 0
+    for i in range(1, 40):
+        r = rules(now_ms=i * 30_000, check_budget=budget, run_id=f"run-{i}", run_number=i)
+        decided = T.decide(pend, r).cache()
+        kind = decided.select("decision").first()["decision"]
+        if kind == T.MAX_CHECKS:
+            discarded = T.discards(decided, r).first()
+            assert discarded["check_times"] == requests
+            return requests, discarded["reason"]
+        assert kind == T.CHECK
+        req = T.check_requests(decided, r).first()
+        requests += 1
+        assert req["check_times"] == requests
+        assert req["request_id"] == f"run-{i}-1"
+        pend = T.next_pending(decided, r)
+        if answer_each_check:
+            answers = spark.createDataFrame(
+                [fx.answer(req["request_id"], msg, "UNKNOWN"),
+                 fx.answer(req["request_id"], msg, "UNKNOWN")],  # a duplicate counts once
+                spark_schema(CHECK_ANSWERS))
+            pend = T.apply_answers(pend, answers)
+        # materialise each run, as the job does by writing `_sys/pending`
+        pend = spark.createDataFrame(T.conform(pend, PENDING).collect(), spark_schema(PENDING))
+    raise AssertionError("never discarded")
+
+
+@pytest.mark.parametrize("budget,answered", [("answered", True), ("sent", False)])
+def test_exactly_check_max_checks_then_discard_when_due_again(spark, budget, answered):
+    assert _simulate_checks(spark, budget, answered) == (15, "MAX_CHECKS")
+
+
+def test_answered_budget_is_not_burnt_by_unanswered_checks(spark):
+    r = rules(check_budget="answered", check_max=2)
+    got = decisions(spark, r, fx.half(1, store_ms=0, checks_sent=5, checks_undecided=1),
+                    fx.half(2, store_ms=0, checks_sent=2, checks_undecided=2))
+    assert got == {1: T.CHECK, 2: T.MAX_CHECKS}
+
+
+def test_answers_of_another_group_or_transaction_do_not_count(spark):
+    msg = fx.half(1, store_ms=0)
+    answers = spark.createDataFrame(
+        [fx.answer("a", msg, "UNKNOWN"), fx.answer("b", msg, "ERROR"),
+         fx.answer("c", msg, "COMMIT"),
+         {**fx.answer("d", msg, "UNKNOWN"), "producer_group": "other"},
+         {**fx.answer("e", msg, "UNKNOWN"), "transaction_id": "tx-x"}],
+        spark_schema(CHECK_ANSWERS))
+    out = T.apply_answers(pending_df(spark, msg), answers)
+    assert out.select("checks_undecided").first()[0] == 2
+
+
+# --- OP resolution ---------------------------------------------------------------------
+
+def _outcomes(spark, live_rows, ops, history=None):
+    live = pending_df(spark, *live_rows)
+    hist = history if history is not None else T.history_targets(
+        spark.createDataFrame([], spark_schema(RESOLVED)),
+        spark.createDataFrame([], spark_schema(DISCARD)))
+    classified = T.classify_ops(ops_df(spark, *ops), T.op_targets(live, hist))
+    return {r["op_offset"]: (r["outcome"], r["reason"])
+            for r in classified.select("op_offset", "outcome", "reason").collect()}
+
+
+def test_first_valid_op_in_commit_order_wins_not_lowest_op_offset(spark):
+    h = fx.half(1)
+    got = _outcomes(spark, [h], [(fx.op(h, "ROLLBACK", op_offset=5), 3),
+                                 (fx.op(h, "COMMIT", op_offset=900), 2),
+                                 (fx.op(h, "COMMIT", op_offset=901), 2)])
+    assert got == {900: (T.WIN, None), 901: (T.DUPLICATE, None), 5: (T.CONFLICT, None)}
+
+
+def test_invalid_ops_are_counted_and_a_later_valid_op_wins(spark):
+    h = fx.half(1)
+    got = _outcomes(spark, [h], [
+        (fx.op(h, op_offset=1, producer_group="other"), 1),
+        (fx.op(h, op_offset=2, transaction_id="tx-forged"), 1),
+        (fx.op(h, op_offset=3, action="MAYBE"), 1),
+        (fx.op(h, op_offset=4, source="SOMEONE"), 1),
+        (fx.op(fx.half(99), op_offset=5), 1),
+        (fx.op(h, op_offset=6), 2)])
+    assert got == {1: (T.INVALID, "producer_group mismatch"),
+                   2: (T.INVALID, "transaction_id mismatch"),
+                   3: (T.INVALID, "invalid action"), 4: (T.INVALID, "invalid source"),
+                   5: (T.INVALID, "unknown half_offset"), 6: (T.WIN, None)}
+
+
+def _history(spark, resolved=(), discarded=()):
+    res = spark.createDataFrame(list(resolved), spark_schema(RESOLVED))
+    dis = spark.createDataFrame(list(discarded), spark_schema(DISCARD))
+    return T.history_targets(res, dis)
+
+
+def _resolved(h, action, after_discard=False):
+    return {"half_offset": h["half_offset"], "transaction_id": h["transaction_id"],
+            "producer_group": h["producer_group"], "topic": h["topic"], "action": action,
+            "source": "PRODUCER", "op_offset": 1, "op_version": 1, "op_store_ms": 1,
+            "after_discard": after_discard, "run_id": "run-1"}
+
+
+def _discarded(h):
+    return {**h, "check_times": 15, "reason": "MAX_CHECKS", "discarded_ms": 5, "run_id": "run-1"}
+
+
+def test_ops_for_messages_resolved_earlier_are_duplicates_or_conflicts(spark):
+    h = fx.half(1)
+    got = _outcomes(spark, [], [(fx.op(h, "ROLLBACK", op_offset=1), 4),
+                                (fx.op(h, "COMMIT", op_offset=2), 4)],
+                    history=_history(spark, resolved=[_resolved(h, "ROLLBACK")]))
+    assert got == {1: (T.DUPLICATE, None), 2: (T.CONFLICT, None)}
+
+
+def test_after_discard_producer_and_check_ops_are_late_admin_wins(spark):
+    h = fx.half(1)
+    got = _outcomes(spark, [], [(fx.op(h, "COMMIT", op_offset=1, source="PRODUCER"), 4),
+                                (fx.op(h, "COMMIT", op_offset=2, source="CHECK"), 4),
+                                (fx.op(h, "ROLLBACK", op_offset=3, source="ADMIN"), 5),
+                                (fx.op(h, "COMMIT", op_offset=4, source="ADMIN"), 6)],
+                    history=_history(spark, discarded=[_discarded(h)]))
+    assert got == {1: (T.LATE, "message discarded"), 2: (T.LATE, "message discarded"),
+                   3: (T.WIN, None), 4: (T.CONFLICT, None)}
+
+
+def test_after_admin_override_of_a_discard_producer_ops_stay_late(spark):
+    h = fx.half(1)
+    got = _outcomes(spark, [], [(fx.op(h, "COMMIT", op_offset=1), 4),
+                                (fx.op(h, "COMMIT", op_offset=2, source="ADMIN"), 4)],
+                    history=_history(spark, resolved=[_resolved(h, "COMMIT", True)],
+                                     discarded=[_discarded(h)]))
+    assert got == {1: (T.LATE, "message discarded"), 2: (T.DUPLICATE, None)}
+
+
+# --- deliveries ------------------------------------------------------------------------
+
+def test_deliveries_dense_per_queue_in_commit_order_continuing_previous(spark):
+    r = rules()
+    hs = [fx.half(1, queue_id=0), fx.half(2, queue_id=0), fx.half(3, queue_id=1),
+          fx.half(4, queue_id=0, topic="PAY")]
+    ops = [(fx.op(hs[0], op_offset=50), 9), (fx.op(hs[1], op_offset=70), 8),
+           (fx.op(hs[2], op_offset=1), 8), (fx.op(hs[3], op_offset=2), 9)]
+    live = pending_df(spark, *hs)
+    classified = T.classify_ops(ops_df(spark, *ops), T.op_targets(live, _history(spark)))
+    won = T.winners(classified, live)
+    queues = spark.createDataFrame([{"topic": "ORDER", "queue_id": 0, "next_queue_offset": 10,
+                                     "run_number": 3}], spark_schema(QUEUES))
+    got = T.deliveries(won, queues, r).select("topic", "queue_id", "queue_offset", "half_offset")
+    expected = spark.createDataFrame(
+        [("ORDER", 0, 10, 2), ("ORDER", 0, 11, 1), ("ORDER", 1, 0, 3), ("PAY", 0, 0, 4)],
+        "topic string, queue_id int, queue_offset long, half_offset long")
+    assert_df_equality(got, expected, ignore_row_order=True, ignore_nullable=True)
+    nxt = T.next_queues(queues, T.deliveries(won, queues, r), r).select(
+        "topic", "queue_id", "next_queue_offset")
+    assert sorted(map(tuple, nxt.collect())) == [("ORDER", 0, 12), ("ORDER", 1, 1), ("PAY", 0, 1)]
+
+
+def test_delivered_row_carries_the_message_byte_identical(spark):
+    body = bytes(range(256)) * 3
+    h = fx.half(1, body=body, tags="t\u00e9", keys="k 1", properties={"\u00fc": "\x00v"})
+    live = pending_df(spark, h)
+    won = T.winners(T.classify_ops(ops_df(spark, (fx.op(h, store_ms=77), 1)),
+                                   T.op_targets(live, _history(spark))), live)
+    empty_q = spark.createDataFrame([], spark_schema(QUEUES))
+    row = T.deliveries(won, empty_q, rules()).first()
+    assert (row["body"], row["tags"], row["keys"], row["properties"]) == \
+        (body, "t\u00e9", "k 1", {"\u00fc": "\x00v"})
+    assert (row["commit_ms"], row["delivered_ms"], row["queue_offset"]) == (77, NOW, 0)
+    assert set(T.conform(won, HALF).columns) <= set(HALF.names)
+    assert [c for c in row.asDict() if c != "topic"] == TOPIC.names
+
+
+def test_rejected_halves_are_set_aside_with_a_reason(spark):
+    r = rules()
+    rows = [fx.half(1), fx.half(2, topic="bad topic!"), fx.half(3, topic="_sys_half"),
+            fx.half(4, queue_id=-1), fx.half(5, topic="x" * 128)]
+    accepted, rejected = T.split_halves(halves_df(spark, *rows), r)
+    assert [r_["half_offset"] for r_ in accepted.collect()] == [1]
+    got = rejected.select("row_offset", "reason")
+    expected = spark.createDataFrame(
+        [(2, "invalid topic name"), (3, "system topic name"), (4, "negative queue_id"),
+         (5, "invalid topic name")], "row_offset long, reason string")
+    assert_df_equality(got, expected, ignore_row_order=True, ignore_nullable=True)
+
+
+def test_next_pending_counts_the_check_and_keeps_waiting_messages(spark):
+    r = rules()
+    decided = T.decide(pending_df(spark, fx.half(1, store_ms=0, checks_sent=2, checks_undecided=1,
+                                                  last_check_ms=0),
+                                  fx.half(2, store_ms=NOW)), r)
+    got = T.next_pending(decided, r).select("half_offset", "checks_sent", "checks_undecided",
+                                            "last_check_ms", "run_number")
+    expected = spark.createDataFrame([(1, 3, 1, NOW, 7), (2, 0, 0, None, 7)],
+                                     "half_offset long, checks_sent int, checks_undecided int, "
+                                     "last_check_ms long, run_number long")
+    assert_df_equality(got, expected, ignore_row_order=True, ignore_nullable=True)

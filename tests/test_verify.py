@@ -1,0 +1,215 @@
+"""`verify` recomputes every message's fate from the raw tables (SPEC I2/I3/I6).
+
+A warehouse is reconciled by the real job over two runs (deliveries to two
+topics and two queues, a rollback, invalid/duplicate/conflicting OPs, an
+expired message with a late commit, one overridden by an operator, a
+MAX_CHECKS discard, a pending message, an OP whose small op_offset sits in
+a late commit). A copy is then tampered with, one way per message, and every
+tampering must be reported naming its message; the untouched warehouse, and
+one with a run killed half-way, verify ok.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+import factories as f
+from schemas import DISCARD, HALF, PENDING, table_path, topic_path
+
+T0 = 1_000_000_000_000
+T1 = T0 + 1_000          # run 1: fresh messages still immune (6 s default)
+T2 = T1 + 30_000         # run 2: one check interval later
+HOUR = 3_600_000
+
+
+def _config(warehouse: str) -> dict:
+    return {"warehouse": warehouse, "check_max": 1, "check_budget": "sent",
+            "reserved_hours": 1}
+
+
+def build_reconciled(spark, wh: str) -> dict:
+    """Fill `wh` and reconcile it twice; return the half rows by role."""
+    from jobs.reconcile import reconcile
+
+    m = {
+        "c1": f.half(9001, store_ms=T0, queue_id=0),
+        "c2": f.half(9002, store_ms=T0, queue_id=0),
+        "c3": f.half(9003, store_ms=T0, queue_id=1, body=bytes(range(256))),
+        "pay": f.half(9004, store_ms=T0, topic="PAY", queue_id=0),
+        "rb": f.half(9005, store_ms=T0),
+        "pending": f.half(9006, store_ms=T0),
+        "dup": f.half(9007, store_ms=T0),
+        "conflict": f.half(9008, store_ms=T0),
+        "bad_then_good": f.half(9009, store_ms=T0),
+        "expired_late": f.half(9010, store_ms=T1 - 2 * HOUR),
+        "expired_admin": f.half(9011, store_ms=T1 - 2 * HOUR),
+        "max_checks": f.half(9012, store_ms=T0 - 10_000),
+        "small_op_offset": f.half(9013, store_ms=T0),
+    }
+    f.write_halves(wh, *[m[k] for k in ("c1", "c2", "c3", "pay", "rb")])
+    f.write_halves(wh, *[m[k] for k in ("pending", "dup", "conflict", "bad_then_good",
+                                         "expired_late", "expired_admin", "max_checks",
+                                         "small_op_offset")])
+    f.write_ops(wh, f.op(m["c2"], op_offset=7002), f.op(m["c1"], op_offset=7001),
+                f.op(m["rb"], "ROLLBACK", op_offset=7005))
+    f.write_ops(wh, f.op(m["c3"], op_offset=7003), f.op(m["pay"], op_offset=7004),
+                f.op(m["dup"], op_offset=7007), f.op(m["dup"], op_offset=7008),
+                f.op(m["conflict"], op_offset=7009),
+                f.op(m["conflict"], "ROLLBACK", op_offset=7010),
+                f.op(m["bad_then_good"], op_offset=7011, producer_group="other_group"),
+                {**f.op(m["c1"], op_offset=7012), "half_offset": 123456})
+    reconcile(spark, _config(wh), now_ms=T1)
+
+    # op_offset 6999 is the smallest of all, but its commit is the last one:
+    # commit order (table version first) puts it after every run-1 delivery.
+    f.write_ops(wh, f.op(m["small_op_offset"], op_offset=6999),
+                f.op(m["bad_then_good"], op_offset=7013),
+                f.op(m["expired_late"], op_offset=7014),
+                f.op(m["expired_admin"], op_offset=7015, source="ADMIN"))
+    reconcile(spark, _config(wh), now_ms=T2)
+    # Written after the last run: legitimately not processed yet.
+    f.write_halves(wh, f.half(9099, store_ms=T2))
+    return m
+
+
+@pytest.fixture(scope="module")
+def reconciled(spark, tmp_path_factory):
+    """The base warehouse after two real runs, and the messages by role."""
+    wh = str(tmp_path_factory.mktemp("verify") / "warehouse")
+    return wh, build_reconciled(spark, wh)
+
+
+@pytest.fixture
+def copy(reconciled, tmp_path):
+    """A private copy of the reconciled warehouse to tamper with."""
+    base, m = reconciled
+    wh = str(tmp_path / "warehouse")
+    shutil.copytree(base, wh)
+    return wh, m
+
+
+def _verify(spark, wh):
+    from jobs.verify import verify
+    return verify(spark, _config(wh))
+
+
+def _kinds_for(report, half_offset: int) -> set[str]:
+    return {d["kind"] for d in report.differences if d["half_offset"] == half_offset}
+
+
+def test_untouched_warehouse_verifies_ok(spark, reconciled):
+    wh, m = reconciled
+    report = _verify(spark, wh)
+    assert report.ok, report.render()
+    assert report.differences == []
+    c = report.counts
+    assert c["delivered"] == 9  # c1 c2 c3 pay dup conflict bad_then_good expired_admin
+    #                              small_op_offset
+    assert c["rolled_back"] == 1
+    assert c["discarded"] == 2  # expired_late, max_checks
+    assert c["pending"] == 1
+    assert c["halves_judged"] == 13
+    assert c["halves_not_yet_processed"] == 1
+    assert c["invalid_ops"] == 2 and c["late_ops"] == 1
+    assert "verify: OK" in report.render()
+    assert report.to_dict()["ok"] is True
+    # What verify accepted as commit order, seen in the job's output.
+    q0 = (spark.read.format("delta").load(topic_path(wh, "ORDER"))
+          .where("queue_id = 0").orderBy("queue_offset").collect())
+    assert [r["half_offset"] for r in q0] == [9001, 9002, 9007, 9008, 9013, 9009, 9011]
+    assert [r["queue_offset"] for r in q0] == list(range(7))
+
+
+def test_outputs_of_an_unfinished_run_are_not_judged(spark, copy, monkeypatch):
+    """A run killed after its first write leaves rows the next run completes;
+    until then verify judges the last committed run and says so."""
+    from jobs.faults import InjectedFault
+    from jobs.reconcile import reconcile
+
+    wh, m = copy
+    fresh = f.half(9020, store_ms=T2)
+    f.write_halves(wh, fresh)
+    f.write_ops(wh, f.op(fresh, op_offset=7020))
+    monkeypatch.setenv("TXN_FAULT_AT", "after:topics/ORDER")
+    with pytest.raises(InjectedFault):
+        reconcile(spark, _config(wh), now_ms=T2 + 1)
+    monkeypatch.delenv("TXN_FAULT_AT")
+    order = spark.read.format("delta").load(topic_path(wh, "ORDER"))
+    assert order.where("half_offset = 9020").count() == 1  # the crashed run did write
+
+    report = _verify(spark, wh)
+    assert report.ok, report.render()
+    assert report.judged_run["run_number"] == 2
+    assert any("has not committed" in note for note in report.notes)
+    assert report.counts["halves_not_yet_processed"] == 2  # 9099 and 9020
+
+
+def _add_discard(spark, wh, half_offset, reason="EXPIRED"):
+    """Append a discard row for `half_offset` as if the last committed run wrote it."""
+    from pyspark.sql import functions as F
+
+    from jobs.verify import _committed_runs
+
+    discard = table_path(wh, DISCARD)
+    columns = spark.read.format("delta").load(discard).columns
+    run_id = _committed_runs(spark, wh)[0][-1]["run_id"]
+    row = (spark.read.format("delta").load(table_path(wh, HALF))
+           .where(F.col("half_offset") == half_offset)
+           .withColumn("check_times", F.lit(0))
+           .withColumn("reason", F.lit(reason))
+           .withColumn("discarded_ms", F.lit(T2))
+           .withColumn("run_id", F.lit(run_id))
+           .select(*columns))
+    row.write.format("delta").mode("append").save(discard)
+
+
+def test_every_tampering_is_caught_naming_the_message(spark, copy):
+    """One tampering per message (a verify run costs tens of seconds, so they
+    share one copy); each must show up as its own difference, on its message."""
+    wh, m = copy
+    order = topic_path(wh, "ORDER")
+    # c2: its delivered row is deleted.
+    spark.sql(f"DELETE FROM delta.`{order}` WHERE half_offset = 9002").collect()
+    # c1: its delivered row is appended a second time.
+    (spark.read.format("delta").load(order).where("half_offset = 9001")
+     .write.format("delta").mode("append").save(order))
+    # c3: the first byte of its 256-byte body flips from 0x00 to 0x01.
+    spark.sql(f"UPDATE delta.`{order}` SET body = concat(X'01', substring(body, 2)) "
+              f"WHERE half_offset = 9003").collect()
+    # pending: its row vanishes from the pending set.
+    spark.sql(f"DELETE FROM delta.`{table_path(wh, PENDING)}` "
+              f"WHERE half_offset = 9006").collect()
+    # bad_then_good and expired_admin swap their places in ORDER queue 0.
+    spark.sql(f"UPDATE delta.`{order}` SET queue_offset = 11 - queue_offset "
+              f"WHERE half_offset IN (9009, 9011)").collect()
+    # pay (delivered) and expired_late (already discarded) get a forged discard.
+    _add_discard(spark, wh, 9004)
+    _add_discard(spark, wh, 9010)
+
+    report = _verify(spark, wh)
+    assert not report.ok
+    assert "missing_delivery" in _kinds_for(report, 9002)
+    assert "duplicate_delivery" in _kinds_for(report, 9001)
+    body = [d for d in report.differences
+            if d["half_offset"] == 9003 and d["kind"] == "content_mismatch"]
+    assert len(body) == 1 and body[0]["transaction_id"] == "tx-9003"
+    assert body[0]["expected"].startswith("body=00") and body[0]["found"].startswith("body=01")
+    assert _kinds_for(report, 9006) == {"missing_pending"}
+    assert "discard_of_decided_message" in _kinds_for(report, 9004)
+    assert "duplicate_discard" in _kinds_for(report, 9010)
+    assert "queue_offset_order" in _kinds_for(report, 9009)
+    assert "queue_offset_order" in _kinds_for(report, 9011)
+    # Untouched messages stay clean, except for the gap c2's deletion and c1's
+    # extra row leave in ORDER queue 0, where the later deliveries now sit.
+    tampered = {9001, 9002, 9003, 9004, 9006, 9010, 9009, 9011}
+    others = {(d["half_offset"], d["kind"]) for d in report.differences
+              if d["half_offset"] not in tampered}
+    assert {kind for _, kind in others} <= {"queue_offset_not_dense"}, others
+    assert not {off for off, _ in others} & {9005, 9012, 9099}
+    text = report.render()
+    assert "verify: FAILED" in text
+    for needle in ("half_offset=9002 transaction_id=tx-9002", "[missing_pending]",
+                   "[duplicate_discard]"):
+        assert needle in text
+    assert report.to_dict()["total_differences"] == report.total_differences >= 6
