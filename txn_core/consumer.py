@@ -12,12 +12,12 @@ reads each message once.
 from __future__ import annotations
 
 import pyarrow.compute as pc
+from deltalake import DeltaTable
+from deltalake.exceptions import TableNotFoundError
 
 from schemas import topic_path
 from txn_core.message import validate_topic
 from txn_core.tables import MissingTableError
-from deltalake import DeltaTable
-from deltalake.exceptions import TableNotFoundError
 
 
 def read_topic(warehouse: str, topic: str, *, queue_id: int | None = None,

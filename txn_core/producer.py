@@ -112,8 +112,7 @@ class TransactionProducer:
 
     def answer_checks(self) -> int:
         """One pass over this group's open check requests; returns how many were answered."""
-        listener = self._require_listener()
-        del listener  # the answerer calls self._check_state, which uses it
+        self._require_listener()  # the answerer calls self._check_state, which uses it
         with self._checks_lock:
             return self._checks.poll()
 
