@@ -6,7 +6,8 @@ PYTHON ?= python3
 
 setup:
 	$(PYTHON) -m pip install -q --disable-pip-version-check --root-user-action=ignore -e '.[test]'
-	mvn -q -B -f pom.xml dependency:resolve
+	mvn -q -B -f pom.xml dependency:resolve dependency:build-classpath \
+	    -Dmdep.outputFile=target/spark-jars.txt -DexcludeArtifactIds=scala-library
 
 demo: setup
 	$(PYTHON) scripts/demo.py

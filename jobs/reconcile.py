@@ -72,6 +72,11 @@ class RunSummary:
     prev_op_version: int
     prev_answers_version: int
     rejected_halves: int = 0
+    #: the earliest now_ms at which a pending message becomes due for a check
+    #: or a discard under this run's rules (None: nothing pending)
+    next_due_ms: int | None = None
+    #: True when nothing was new and nothing due: only the run record was written
+    idle: bool = False
     dry_run: bool = False
     #: run_id of an interrupted run this invocation completed first, if any
     redone_run_id: str | None = None
@@ -122,7 +127,7 @@ def recover(spark, config: Config | dict, *, clock=time.time) -> RunSummary | No
     lease = Lease(cfg.warehouse, cfg.lease_ttl_s, clock=clock).acquire()
     try:
         _ensure_tables(spark, cfg.warehouse)
-        last = state.last_run(spark, cfg.warehouse)
+        last = state.last_run(cfg.warehouse)
         if last is None or last.status != state.STARTED:
             return None
         return _execute(spark, cfg.warehouse, last, lease).summary
@@ -133,7 +138,7 @@ def recover(spark, config: Config | dict, *, clock=time.time) -> RunSummary | No
 def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSummary:
     wh = cfg.warehouse
     _ensure_tables(spark, wh)
-    last = state.last_run(spark, wh)
+    last = state.last_run(wh)
     redone = None
     if last is not None and last.status == state.STARTED:
         # Same input versions, state versions, clock and rules as the first
@@ -141,15 +146,60 @@ def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSumm
         last = _execute(spark, wh, last, lease).record
         redone = last.run_id
     intent = _new_intent(spark, wh, last, cfg, now_ms)
-    state.write_run_record(spark, wh, intent)
-    fault_point("after_intent")
-    summary = _execute(spark, wh, intent, lease).summary
+    if _nothing_to_do(last, intent):
+        summary = _record_idle_run(spark, wh, last, intent)
+    else:
+        state.write_run_record(spark, wh, intent)
+        fault_point("after_intent")
+        summary = _execute(spark, wh, intent, lease).summary
     summary.redone_run_id = redone
     return summary
 
 
+def _nothing_to_do(last: state.RunRecord | None, intent: state.RunRecord) -> bool:
+    """No input table has a new version since `last`, its rules are the same,
+    and its pending set has nothing due at the intent's clock: a full run
+    would write nothing but its run records."""
+    if last is None or last.status != state.COMMITTED:
+        return False
+    unchanged = ((last.half_version, last.op_version, last.answers_version)
+                 == (intent.half_version, intent.op_version, intent.answers_version))
+    same_rules = T.Rules.from_json(last.rules_json).same_rules(
+        T.Rules.from_json(intent.rules_json))
+    pending, due = last.counters.get("pending_after"), last.counters.get("next_due_ms")
+    nothing_due = pending == 0 or (due is not None and intent.now_ms < due)
+    return unchanged and same_rules and nothing_due
+
+
+def _record_idle_run(spark, wh: str, last: state.RunRecord,
+                     intent: state.RunRecord) -> RunSummary:
+    """The run record of a run with nothing to do, written as one COMMITTED
+    row: with no other write there is nothing for an intent to make atomic."""
+    started = time.time()
+    prev = last.counters
+    oldest = prev.get("oldest_pending_age_ms")
+    summary = RunSummary(
+        run_id=intent.run_id, now_ms=intent.now_ms, half_read=0, op_read=0,
+        pending_before=prev["pending_after"], pending_after=prev["pending_after"],
+        committed=0, rolled_back=0, check_requests=0, discarded_max_checks=0,
+        discarded_expired=0, duplicate_ops=0, conflicting_ops=0, invalid_ops=0, late_ops=0,
+        delivered_by_topic={},
+        # the same messages, older by the time since the last run
+        oldest_pending_age_ms=(None if oldest is None
+                               else max(oldest + intent.now_ms - last.now_ms, 0)),
+        duration_ms=0, run_number=intent.run_number,
+        half_version=intent.half_version, op_version=intent.op_version,
+        answers_version=intent.answers_version, prev_half_version=intent.prev_half_version,
+        prev_op_version=intent.prev_op_version,
+        prev_answers_version=intent.prev_answers_version,
+        next_due_ms=prev.get("next_due_ms"), idle=True)
+    summary.duration_ms = int((time.time() - started) * 1000)
+    _commit(spark, wh, intent, summary, idempotent=False)
+    return summary
+
+
 def _dry_run(spark, cfg: Config, now_ms: int | None) -> RunSummary:
-    last = state.last_run(spark, cfg.warehouse)
+    last = state.last_run(cfg.warehouse)
     record = (last if last is not None and last.status == state.STARTED
               else _new_intent(spark, cfg.warehouse, last, cfg, now_ms))
     summary = _execute(spark, cfg.warehouse, record, lease=None, write=False).summary
@@ -158,7 +208,7 @@ def _dry_run(spark, cfg: Config, now_ms: int | None) -> RunSummary:
 
 
 def _ensure_tables(spark, warehouse: str) -> None:
-    if not state.is_delta(spark, table_path(warehouse, HALF)):
+    if not state.is_delta(table_path(warehouse, HALF)):
         from txn_core.tables import ensure_broker_tables
         ensure_broker_tables(warehouse)
     state.ensure_job_tables(spark, warehouse)
@@ -169,10 +219,10 @@ def _new_intent(spark, wh: str, last: state.RunRecord | None, cfg: Config,
     paths = state.input_paths(wh)
     # OPs first, halves after: every OP read then has its half in the half
     # snapshot, because a producer writes an OP only after its half is durable.
-    op_v = state.latest_version(spark, paths["op"])
-    half_v = state.latest_version(spark, paths["half"])
-    answers_v = state.latest_version(spark, paths["answers"])
-    versions = {t.path: state.latest_version(spark, table_path(wh, t))
+    op_v = state.latest_version(paths["op"])
+    half_v = state.latest_version(paths["half"])
+    answers_v = state.latest_version(paths["answers"])
+    versions = {t.path: state.latest_version(table_path(wh, t))
                 for t in state.STATE_TABLES}
     number = (last.run_number if last else 0) + 1
     now = int(time.time() * 1000) if now_ms is None else now_ms
@@ -259,7 +309,7 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules) -> _Output
         queues=T.next_queues(queues, delivered, rules),
         pending=T.next_pending(decided, rules),
         cached=[ops, live, classified, won, delivered, decided])
-    _count(out, half, ops, answers, pending_prev, classified, decided)
+    _count(out, half, answers, pending_prev, classified, decided, rules)
     return out
 
 
@@ -282,33 +332,46 @@ def _history_for(spark, wh: str, record: state.RunRecord, ops, live):
             discarded.join(wanted, "half_offset", "left_semi"))
 
 
-def _count(out: _Outputs, half, ops, answers, pending_prev, classified, decided) -> None:
+def _count(out: _Outputs, half, answers, pending_prev, classified, decided,
+           rules: T.Rules) -> None:
+    """All the run's counters from one Spark job: one single-row aggregate
+    per input, cross-joined (each separate action costs a job's latency)."""
+    from functools import reduce
     from pyspark.sql import functions as F
-    c = out.counts
-    halves = half.select(T.half_reject_reason().isNotNull().alias("bad")).agg(
-        F.count(F.lit(1)).alias("n"), F.sum(F.col("bad").cast("int")).alias("bad")).first()
-    c["half_read"], c["rejected_halves"] = halves["n"], halves["bad"] or 0
-    c["answers_read"] = answers.count()
-    c["pending_before"] = pending_prev.count()
-    outcomes = {(r["outcome"], r["action"]): r["n"] for r in
-                classified.groupBy("outcome", "action").agg(F.count(F.lit(1)).alias("n"))
-                .collect()}
-    total = lambda outcome: sum(n for (o, _), n in outcomes.items() if o == outcome)  # noqa: E731
-    c["op_read"] = sum(outcomes.values())
-    c["committed"] = outcomes.get((T.WIN, "COMMIT"), 0)
-    c["rolled_back"] = outcomes.get((T.WIN, "ROLLBACK"), 0)
-    c["duplicate_ops"], c["conflicting_ops"] = total(T.DUPLICATE), total(T.CONFLICT)
-    c["invalid_ops"], c["late_ops"] = total(T.INVALID), total(T.LATE)
-    decisions = {r["decision"]: r for r in decided.groupBy("decision").agg(
-        F.count(F.lit(1)).alias("n"), F.max("age_ms").alias("oldest")).collect()}
-    n = lambda d: decisions[d]["n"] if d in decisions else 0  # noqa: E731
-    c["check_requests"] = n(T.CHECK)
-    c["discarded_max_checks"], c["discarded_expired"] = n(T.MAX_CHECKS), n(T.EXPIRED)
-    c["pending_after"] = n(T.CHECK) + n(T.WAIT)
-    ages = [decisions[d]["oldest"] for d in (T.CHECK, T.WAIT) if d in decisions]
-    c["oldest_pending_age_ms"] = max(ages) if ages else None
-    out.delivered_by_topic = {r["topic"]: r["n"] for r in out.delivered.groupBy("topic")
-                              .agg(F.count(F.lit(1)).alias("n")).orderBy("topic").collect()}
+    n = F.count(F.lit(1))
+
+    def where(cond):
+        return F.coalesce(F.sum(F.when(cond, 1).otherwise(0)), F.lit(0))
+
+    outcome, action, decision = F.col("outcome"), F.col("action"), F.col("decision")
+    still_pending = decision.isin(T.CHECK, T.WAIT)
+    by_topic = out.delivered.groupBy("topic").agg(n.alias("n"))
+    parts = [
+        half.agg(n.alias("half_read"),
+                 where(T.half_reject_reason().isNotNull()).alias("rejected_halves")),
+        answers.agg(n.alias("answers_read")),
+        pending_prev.agg(n.alias("pending_before")),
+        classified.agg(
+            n.alias("op_read"),
+            where((outcome == T.WIN) & (action == "COMMIT")).alias("committed"),
+            where((outcome == T.WIN) & (action == "ROLLBACK")).alias("rolled_back"),
+            where(outcome == T.DUPLICATE).alias("duplicate_ops"),
+            where(outcome == T.CONFLICT).alias("conflicting_ops"),
+            where(outcome == T.INVALID).alias("invalid_ops"),
+            where(outcome == T.LATE).alias("late_ops")),
+        decided.agg(
+            where(decision == T.CHECK).alias("check_requests"),
+            where(decision == T.MAX_CHECKS).alias("discarded_max_checks"),
+            where(decision == T.EXPIRED).alias("discarded_expired"),
+            where(still_pending).alias("pending_after"),
+            F.max(F.when(still_pending, F.col("age_ms"))).alias("oldest_pending_age_ms")),
+        out.pending.agg(F.min(T.due_at_ms(rules)).alias("next_due_ms")),
+        by_topic.agg(F.map_from_entries(F.collect_list(F.struct("topic", "n")))
+                     .alias("delivered_by_topic")),
+    ]
+    row = reduce(lambda a, b: a.crossJoin(b), parts).first().asDict()
+    out.delivered_by_topic = dict(sorted((row.pop("delivered_by_topic") or {}).items()))
+    out.counts.update(row)
 
 
 def _write_outputs(spark, wh: str, record: state.RunRecord, out: _Outputs,
@@ -358,13 +421,14 @@ def _summary(record: state.RunRecord, out: _Outputs, duration_ms: int) -> RunSum
         prev_answers_version=record.prev_answers_version, **values)
 
 
-def _commit(spark, wh: str, record: state.RunRecord, summary: RunSummary) -> state.RunRecord:
+def _commit(spark, wh: str, record: state.RunRecord, summary: RunSummary, *,
+            idempotent: bool = True) -> state.RunRecord:
     d = summary.to_dict()
     done = state.RunRecord(**{**record.__dict__, "status": state.COMMITTED,
                               "ended_ms": int(time.time() * 1000),
                               "counters": d, "delivered_by_topic": summary.delivered_by_topic,
                               "summary_json": summary.to_json()})
-    state.write_run_record(spark, wh, done)
+    state.write_run_record(spark, wh, done, idempotent=idempotent)
     fault_point("after_commit")
     return done
 

@@ -34,9 +34,11 @@ class HistoryGoneError(RuntimeError):
     """The Delta log no longer holds the versions the job still has to read."""
 
 
-def is_delta(spark: SparkSession, path: str) -> bool:
-    from delta.tables import DeltaTable
-    return DeltaTable.isDeltaTable(spark, path)
+def is_delta(path: str) -> bool:
+    """Whether a Delta table is at `path` (a look at its log with delta-rs: no
+    Spark job, see `latest_version`)."""
+    from deltalake import DeltaTable as RsTable
+    return RsTable.is_deltatable(path)
 
 
 def create_table(spark: SparkSession, path: str, table: TableSchema) -> None:
@@ -51,20 +53,27 @@ def create_table(spark: SparkSession, path: str, table: TableSchema) -> None:
 
 
 def ensure_job_tables(spark: SparkSession, warehouse: str) -> None:
-    if is_delta(spark, table_path(warehouse, RUNS)):
+    if is_delta(table_path(warehouse, RUNS)):
         return
     for table in JOB_TABLES:
         path = table_path(warehouse, table)
-        if not is_delta(spark, path):
+        if not is_delta(path):
             create_table(spark, path, table)
 
 
-def latest_version(spark: SparkSession, path: str) -> int:
-    """The table's latest version, or NO_VERSION if there is no table."""
-    from delta.tables import DeltaTable
-    if not is_delta(spark, path):
+def latest_version(path: str) -> int:
+    """The table's latest version, or NO_VERSION if there is no table.
+
+    Read with delta-rs, not Spark: it is a look at the log, and from Spark the
+    first one of a process costs seconds of JVM warm-up — the most of an
+    empty run's time once Spark is up.
+    """
+    from deltalake import DeltaTable as RsTable
+    from deltalake.exceptions import TableNotFoundError
+    try:
+        return RsTable(path).version()
+    except TableNotFoundError:
         return NO_VERSION
-    return DeltaTable.forPath(spark, path).history(1).select("version").first()[0]
 
 
 def empty(spark: SparkSession, table: TableSchema, with_commit_version: bool = False) -> DataFrame:
@@ -124,7 +133,7 @@ def write_idempotent(df: DataFrame, path: str, run_number: int, app: str, *,
 
 def ensure_topic_table(spark: SparkSession, warehouse: str, topic: str) -> str:
     path = topic_path(warehouse, topic)
-    if not is_delta(spark, path):
+    if not is_delta(path):
         create_table(spark, path, TOPIC)
     return path
 
@@ -170,29 +179,41 @@ class RunRecord:
         return cls(**base, counters={n: row[n] for n in RUN_COUNTERS})
 
 
-def last_run(spark: SparkSession, warehouse: str) -> RunRecord | None:
+def last_run(warehouse: str) -> RunRecord | None:
     """The latest run: its COMMITTED record, or its STARTED one if it never finished.
 
-    max(run_number) is answered from Delta's file statistics, and the rows of
-    that run number are found by data skipping: the cost does not grow with
-    the number of runs.
+    Read with delta-rs (see `latest_version`); the run_number column alone is
+    scanned for the maximum, then only that run's rows are materialised.
     """
-    path = table_path(warehouse, RUNS)
-    if not is_delta(spark, path):
+    from deltalake import DeltaTable as RsTable
+    from deltalake.exceptions import TableNotFoundError
+    import pyarrow.compute as pc
+    try:
+        runs = RsTable(table_path(warehouse, RUNS)).to_pyarrow_dataset()
+    except TableNotFoundError:
         return None
-    runs = spark.read.format("delta").load(path)
-    top = runs.agg(F.max("run_number")).first()[0]
+    top = pc.max(runs.to_table(columns=["run_number"])["run_number"]).as_py()
     if top is None:
         return None
-    rows = [r.asDict(recursive=True) for r in runs.where(F.col("run_number") == top).collect()]
+    rows = runs.to_table(filter=pc.field("run_number") == top).to_pylist()
     rows.sort(key=lambda r: r["status"] != COMMITTED)
     return RunRecord.from_row(rows[0])
 
 
-def write_run_record(spark: SparkSession, warehouse: str, record: RunRecord) -> None:
+def write_run_record(spark: SparkSession, warehouse: str, record: RunRecord, *,
+                     idempotent: bool = True) -> None:
+    """Append one row to `_sys/runs`.
+
+    `idempotent=False` is for an idle run's only write: with no redo there is
+    nothing to deduplicate, and Delta's txnAppId check would rebuild the
+    table's whole state — about half of an idle run's time on a cold JVM.
+    """
     df = spark.createDataFrame([record.to_row()], spark_schema(RUNS))
-    write_idempotent(df, table_path(warehouse, RUNS), record.run_number,
-                     f"{RUNS.path}:{record.status}")
+    path = table_path(warehouse, RUNS)
+    if idempotent:
+        write_idempotent(df, path, record.run_number, f"{RUNS.path}:{record.status}")
+    else:
+        df.write.format("delta").mode("append").save(path)
 
 
 def input_paths(warehouse: str) -> dict[str, str]:

@@ -34,15 +34,15 @@ def status(spark, config: Config | dict, now_ms: int | None = None) -> StatusRep
     cfg = as_config(config)
     wh = cfg.warehouse
     now = int(time.time() * 1000) if now_ms is None else now_ms
-    last = state.last_run(spark, wh)
+    last = state.last_run(wh)
     path = table_path(wh, PENDING)
-    pending = (spark.read.format("delta").load(path) if state.is_delta(spark, path)
+    pending = (spark.read.format("delta").load(path) if state.is_delta(path)
                else state.empty(spark, PENDING)).cache()
     try:
         total = pending.agg(F.count(F.lit(1)).alias("n"), F.min("store_ms").alias("oldest")).first()
         by = lambda c: {r[c]: r["n"] for r in pending.groupBy(c)  # noqa: E731
                         .agg(F.count(F.lit(1)).alias("n")).orderBy(c).collect()}
-        half_v = state.latest_version(spark, table_path(wh, HALF))
+        half_v = state.latest_version(table_path(wh, HALF))
         read_v = last.half_version if last else state.NO_VERSION
         return StatusReport(
             warehouse=wh, now_ms=now,

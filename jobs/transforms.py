@@ -65,6 +65,13 @@ class Rules:
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
+    def same_rules(self, other: "Rules") -> bool:
+        """Whether both decide alike at the same clock (run identity aside)."""
+        mine, theirs = asdict(self), asdict(other)
+        for key in ("run_id", "run_number", "now_ms"):
+            del mine[key], theirs[key]
+        return mine == theirs
+
     @classmethod
     def from_json(cls, text: str) -> "Rules":
         return cls(**json.loads(text))
@@ -295,6 +302,22 @@ def decide(pending: DataFrame, rules: Rules) -> DataFrame:
                                            & F.col("_chosen").isNull(), F.lit(WAIT))
                         .otherwise(F.col("decision")))
             .drop("_chosen"))
+
+
+def due_at_ms(rules: Rules) -> Column:
+    """Per pending row: the first now_ms at which `decide` would not say WAIT.
+
+    The inverse of `decide`'s time rules — EXPIRED once now − store_ms >
+    reserved; due once now − store_ms > the immunity and the check interval
+    has passed since the last check. Its minimum over the next pending set
+    lets a later run with no new input and the same rules know, without
+    reading the pending set, that nothing is due yet.
+    """
+    expires = F.col("store_ms") + F.lit(rules.reserved_ms + 1)
+    interval_over = F.coalesce(F.col("last_check_ms") + F.lit(rules.check_interval_ms),
+                               F.col("store_ms"))
+    due = F.greatest(F.col("store_ms") + immunity_ms(rules) + F.lit(1), interval_over)
+    return F.least(expires, due).cast("bigint")
 
 
 def discards(decided: DataFrame, rules: Rules) -> DataFrame:

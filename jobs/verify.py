@@ -37,6 +37,7 @@ from typing import Any
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
+from jobs import state
 from schemas import (CHECK_REQUESTS, DISCARD, HALF, OP, PENDING, QUEUES, REJECTED, RESOLVED,
                      RUNS, TOPIC, table_path, topic_path)
 from schemas.spark import spark_schema
@@ -113,13 +114,8 @@ class VerifyReport:
 
 # --- reading -----------------------------------------------------------------
 
-def _is_delta(spark: SparkSession, path: str) -> bool:
-    from delta.tables import DeltaTable
-    return DeltaTable.isDeltaTable(spark, path)
-
-
 def _read(spark: SparkSession, path: str, schema, version: int | None = None) -> DataFrame:
-    if not _is_delta(spark, path) or (version is not None and version < 0):
+    if not state.is_delta(path) or (version is not None and version < 0):
         return spark.createDataFrame([], schema)
     reader = spark.read.format("delta")
     if version is not None:
@@ -136,7 +132,7 @@ def _with_versions(spark: SparkSession, path: str, schema, upto: int,
     they count as read by the first run. That is exact for every rule except
     "late after a discard" between two such old rows, and the report says so.
     """
-    if upto < 0 or not _is_delta(spark, path):
+    if upto < 0 or not state.is_delta(path):
         return spark.createDataFrame([], schema).withColumn("cv", F.lit(None).cast("bigint"))
     if _log_holds(spark, path, 0):
         return (spark.read.format("delta").option("readChangeFeed", "true")
@@ -158,7 +154,7 @@ def _with_versions(spark: SparkSession, path: str, schema, upto: int,
 
 def _newer_rows(spark: SparkSession, path: str, judged_rows: int) -> int:
     """Rows added after the judged version (halves the job has legitimately not read)."""
-    if not _is_delta(spark, path):
+    if not state.is_delta(path):
         return 0
     return max(spark.read.format("delta").load(path).count() - judged_rows, 0)
 
@@ -182,7 +178,7 @@ def _topics(spark: SparkSession, warehouse: str) -> list[str]:
 def _committed_runs(spark: SparkSession, warehouse: str):
     """(committed runs in order, the incomplete run after them or None)."""
     path = table_path(warehouse, RUNS)
-    if not _is_delta(spark, path):
+    if not state.is_delta(path):
         return [], None
     rows = [r.asDict(recursive=True) for r in spark.read.format("delta").load(path).collect()]
     by_number: dict[int, dict] = {}
@@ -311,7 +307,7 @@ def verify(spark: SparkSession, config) -> VerifyReport:
     delivered_rows = None
     for name in topic_names:
         path = topic_path(wh, name)
-        if not _is_delta(spark, path):
+        if not state.is_delta(path):
             continue
         df = spark.read.format("delta").load(path).withColumn("found_topic", F.lit(name))
         if ignored_run is not None:

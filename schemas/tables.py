@@ -154,7 +154,8 @@ PRODUCERS = TableSchema(
 RUN_COUNTERS = ("half_read", "op_read", "pending_before", "pending_after", "committed",
                 "rolled_back", "check_requests", "discarded_max_checks",
                 "discarded_expired", "duplicate_ops", "conflicting_ops", "invalid_ops",
-                "late_ops", "rejected_halves", "oldest_pending_age_ms", "duration_ms")
+                "late_ops", "rejected_halves", "oldest_pending_age_ms", "duration_ms",
+                "next_due_ms")
 
 # Two rows per run: STARTED (the intent: everything needed to redo the run
 # identically) and COMMITTED (the same plus the summary). A run is complete

@@ -89,6 +89,7 @@ def test_runs_resolve_deliver_check_and_discard_across_runs(spark, warehouse):
     assert (empty.half_read, empty.op_read, empty.check_requests, empty.pending_after) == \
         (0, 0, 0, 1)
     assert empty.prev_op_version == second.op_version == empty.op_version
+    assert empty.idle  # h_unchecked's own hour is not over: nothing to compute
     changed = {p for p, v in _versions(warehouse).items() if versions.get(p) != v}
     assert changed == {"_sys/runs", "_sys/lease"}
 
@@ -132,6 +133,28 @@ def test_empty_warehouse_run_succeeds_with_zero_counters(spark, warehouse):
     assert d["run_number"] == 1 and d["pending_after"] == 0 and d["half_read"] == 0
     assert d["oldest_pending_age_ms"] is None and d["delivered_by_topic"] == {}
     assert DeltaTable(table_path(warehouse, HALF)).version() == 0
+
+
+def test_idle_run_writes_one_record_until_something_is_due_or_the_rules_change(spark,
+                                                                            warehouse):
+    fx.write_halves(warehouse, fx.half(store_ms=0))
+    cfg = {"warehouse": warehouse, "transaction_timeout_ms": 60_000}
+    first = reconcile(spark, cfg, now_ms=1000)
+    assert (first.pending_after, first.check_requests, first.idle) == (1, 0, False)
+    assert first.next_due_ms == 60_001  # the first ms past the immunity
+    runs = table_path(warehouse, RUNS)
+    before = DeltaTable(runs).version()
+
+    idle = reconcile(spark, cfg, now_ms=60_000)
+
+    assert idle.idle and (idle.run_number, idle.pending_after, idle.half_read) == (2, 1, 0)
+    assert idle.oldest_pending_age_ms == 60_000 and idle.next_due_ms == 60_001
+    assert DeltaTable(runs).version() == before + 1  # one COMMITTED row, no intent
+    assert [(r["run_number"], r["status"]) for r in rows(runs, sort="run_number")][-1] == \
+        (2, "COMMITTED")
+    # A shorter timeout makes the message due at the same clock: a full run checks it.
+    due = reconcile(spark, {**cfg, "transaction_timeout_ms": 30_000}, now_ms=60_000)
+    assert (due.idle, due.check_requests, due.run_number) == (False, 1, 3)
 
 
 def _versions(warehouse: str) -> dict[str, int]:

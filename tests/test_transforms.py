@@ -295,3 +295,25 @@ def test_next_pending_counts_the_check_and_keeps_waiting_messages(spark):
                                      "half_offset long, checks_sent int, checks_undecided int, "
                                      "last_check_ms long, run_number long")
     assert_df_equality(got, expected, ignore_row_order=True, ignore_nullable=True)
+
+
+def test_due_at_is_the_first_clock_at_which_decide_stops_waiting(spark):
+    """An idle run trusts the minimum of due_at_ms: at due − 1 every row must
+    still WAIT, at due it must not."""
+    r = rules(reserved_ms=100_000)
+    rows = [fx.half(1, store_ms=NOW),                                # immunity first
+            fx.half(2, store_ms=NOW, check_immunity_s=60),           # its own immunity
+            {**fx.half(3, store_ms=NOW - 10_000), "last_check_ms": NOW, "checks_sent": 1},
+            {**fx.half(4, store_ms=NOW, check_immunity_s=3600)},    # expires before due
+            fx.half(5, store_ms=NOW + 5_000)]                        # stored in the future
+    due = {row["half_offset"]: row["due"] for row in
+           T.decide(pending_df(spark, *rows), r)
+           .select("half_offset", T.due_at_ms(r).alias("due")).collect()}
+    assert due == {1: NOW + 6001, 2: NOW + 60_001, 3: NOW + 30_000, 4: NOW + 100_001,
+                   5: NOW + 11_001}
+    for offset, at in due.items():
+        row = [x for x in rows if x["half_offset"] == offset]
+        assert decisions(spark, rules(reserved_ms=100_000, now_ms=at - 1), *row) == \
+            {offset: T.WAIT}
+        assert decisions(spark, rules(reserved_ms=100_000, now_ms=at), *row) != \
+            {offset: T.WAIT}
