@@ -287,7 +287,7 @@ def verify(spark: SparkSession, config) -> VerifyReport:
     half = half.cache()
     op = op.cache()
 
-    def state(table):
+    def pinned(table):
         # With an unfinished run, read the state tables as its intent pinned
         # them: the state the last committed run left.
         version = state_versions.get(table.path) if incomplete is not None else None
@@ -296,12 +296,12 @@ def verify(spark: SparkSession, config) -> VerifyReport:
             df = df.where(F.col("run_id") != F.lit(ignored_run))
         return df
 
-    discard_all = state(DISCARD)
-    pending = state(PENDING)
-    resolved = state(RESOLVED)
-    queues = state(QUEUES)
-    rejected = state(REJECTED)
-    requests = state(CHECK_REQUESTS)
+    discard_all = pinned(DISCARD)
+    pending = pinned(PENDING)
+    resolved = pinned(RESOLVED)
+    queues = pinned(QUEUES)
+    rejected = pinned(REJECTED)
+    requests = pinned(CHECK_REQUESTS)
 
     topic_names = _topics(spark, wh)
     delivered_rows = None
