@@ -6,9 +6,11 @@ and leaves its lease behind); with `TXN_FAULT_MODE=exit` the process ends
 at once with `os._exit(FAULT_EXIT_CODE)`, as a kill would: no `finally`,
 no lease release, no flushing.
 
-Steps, in order: `after_lease`, `after_intent`, `after:<table path>` after
-each output write (e.g. `after:topics/ORDER`, `after:_sys/pending`),
-`after_commit` (the COMMITTED row is written, the lease not yet released).
+Steps: `after_lease`, `after_intent`, then `after:<table path>` after each
+output write (e.g. `after:topics/ORDER`, `after:_sys/pending`; the writes run
+concurrently, so these come in no fixed order, and a crash at one may find
+others done or under way — as a real crash would), and `after_commit` (the
+COMMITTED row is written, the lease not yet released).
 """
 from __future__ import annotations
 

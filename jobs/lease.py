@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ class Lease:
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
         self.held = False
         self._renewed_ms = 0
+        self._renewing = threading.Lock()  # the run's output writes renew from several threads
 
     def _now_ms(self) -> int:
         return int(self.clock() * 1000)
@@ -97,6 +99,10 @@ class Lease:
 
     def keep_alive(self) -> None:
         """Renew once a third of the ttl has passed; fail if the lease was taken over."""
+        with self._renewing:
+            self._keep_alive()
+
+    def _keep_alive(self) -> None:
         if not self.held or self._now_ms() - self._renewed_ms < self.ttl_ms // 3:
             return
         table, row = self._read()

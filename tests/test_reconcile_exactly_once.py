@@ -68,7 +68,9 @@ def baseline(spark, base, tmp_path_factory):
     shutil.copytree(base, wh)
     faults.SEEN.clear()
     summary = reconcile(spark, {"warehouse": wh}, now_ms=T)
-    assert faults.SEEN == STEPS, "the scenario must reach every write step"
+    # the output writes run concurrently: their steps come in any order
+    assert faults.SEEN[:2] == STEPS[:2] and faults.SEEN[-1] == STEPS[-1]
+    assert sorted(faults.SEEN) == sorted(STEPS), "the scenario must reach every write step"
     return outputs(wh), summary
 
 
