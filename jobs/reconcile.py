@@ -156,6 +156,8 @@ def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSumm
         fault_point("after_intent")
         summary = _execute(spark, wh, intent, lease).summary
     summary.redone_run_id = redone
+    if intent.run_number % state.COMPACT_EVERY_RUNS == 0:
+        state.compact_job_tables(spark, wh)
     return summary
 
 

@@ -9,6 +9,7 @@ pinned there, so a redo of the run sees exactly the same inputs.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 
 from pyspark.sql import DataFrame, SparkSession
@@ -26,8 +27,13 @@ CDF_PROPERTIES = {"delta.enableChangeDataFeed": "true"}
 JOB_TABLES = (PENDING, QUEUES, RESOLVED, REJECTED, DISCARD, CHECK_REQUESTS, RUNS)
 #: state tables a run reads, pinned by version in its intent
 STATE_TABLES = (PENDING, QUEUES, RESOLVED, DISCARD)
+#: job tables that only grow, by a file or two a run: compacted every COMPACT_EVERY_RUNS
+APPEND_ONLY_TABLES = (RUNS, RESOLVED, CHECK_REQUESTS, DISCARD, REJECTED)
+COMPACT_EVERY_RUNS = 100
 STARTED, COMMITTED = "STARTED", "COMMITTED"
 NO_VERSION = -1
+
+log = logging.getLogger(__name__)
 
 
 class HistoryGoneError(RuntimeError):
@@ -121,6 +127,27 @@ def added_rows(spark: SparkSession, path: str, table: TableSchema,
             .drop("_change_type", "_commit_timestamp"))
 
 
+def compact_job_tables(spark: SparkSession, warehouse: str) -> dict[str, int]:
+    """OPTIMIZE the job's append-only tables; returns files removed per table.
+
+    A run adds a small file or two to each; left alone, reading them (the
+    next run's `last_run`, `status`, producers following `_sys/check_requests`)
+    slows with every run. The rewrite is dataChange=false: the change data
+    feed that producers and consumers follow shows nothing new. A failure is
+    logged and left to the next round — the run it follows is already done.
+    """
+    from delta.tables import DeltaTable
+    removed = {}
+    for table in APPEND_ONLY_TABLES:
+        path = table_path(warehouse, table)
+        try:
+            metrics = DeltaTable.forPath(spark, path).optimize().executeCompaction().first()
+            removed[table.path] = int(metrics["metrics"]["numFilesRemoved"])
+        except Exception as exc:  # noqa: BLE001 - housekeeping must not fail a finished run
+            log.warning("compaction of %s failed (%s); the next round retries", path, exc)
+    return removed
+
+
 def write_idempotent(df: DataFrame, path: str, run_number: int, app: str, *,
                      mode: str = "append") -> None:
     """Write `df` once per run: a redo of the same run number is skipped by
@@ -182,17 +209,27 @@ class RunRecord:
 def last_run(warehouse: str) -> RunRecord | None:
     """The latest run: its COMMITTED record, or its STARTED one if it never finished.
 
-    Read with delta-rs (see `latest_version`); the run_number column alone is
-    scanned for the maximum, then only that run's rows are materialised.
+    Read with delta-rs (see `latest_version`). The files' statistics give the
+    highest run_number and prune the scan to the files that may hold it: the
+    cost stays flat while `_sys/runs` grows by a row or two every run.
     """
     from deltalake import DeltaTable as RsTable
     from deltalake.exceptions import TableNotFoundError
+    import pyarrow as pa
     import pyarrow.compute as pc
     try:
-        runs = RsTable(table_path(warehouse, RUNS)).to_pyarrow_dataset()
+        table = RsTable(table_path(warehouse, RUNS))
     except TableNotFoundError:
         return None
-    top = pc.max(runs.to_table(columns=["run_number"])["run_number"]).as_py()
+    files = pa.table(table.get_add_actions(flatten=True))
+    if files.num_rows == 0:
+        return None
+    if "max.run_number" in files.column_names and files["max.run_number"].null_count == 0:
+        top = pc.max(files["max.run_number"]).as_py()
+        runs = table.to_pyarrow_dataset(file_pruning_predicate=[("run_number", "=", top)])
+    else:  # files without statistics: read the column
+        runs = table.to_pyarrow_dataset()
+        top = pc.max(runs.to_table(columns=["run_number"])["run_number"]).as_py()
     if top is None:
         return None
     rows = runs.to_table(filter=pc.field("run_number") == top).to_pylist()

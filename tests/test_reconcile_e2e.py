@@ -135,8 +135,10 @@ def test_empty_warehouse_run_succeeds_with_zero_counters(spark, warehouse):
     assert DeltaTable(table_path(warehouse, HALF)).version() == 0
 
 
-def test_idle_run_writes_one_record_until_something_is_due_or_the_rules_change(spark,
-                                                                            warehouse):
+def test_idle_run_writes_one_record_until_something_is_due_or_the_rules_change(
+        spark, warehouse, monkeypatch):
+    from jobs import state
+    monkeypatch.setattr(state, "COMPACT_EVERY_RUNS", 3)  # run 3 compacts the job's tables
     fx.write_halves(warehouse, fx.half(store_ms=0))
     cfg = {"warehouse": warehouse, "transaction_timeout_ms": 60_000}
     first = reconcile(spark, cfg, now_ms=1000)
@@ -155,6 +157,15 @@ def test_idle_run_writes_one_record_until_something_is_due_or_the_rules_change(s
     # A shorter timeout makes the message due at the same clock: a full run checks it.
     due = reconcile(spark, {**cfg, "transaction_timeout_ms": 30_000}, now_ms=60_000)
     assert (due.idle, due.check_requests, due.run_number) == (False, 1, 3)
+    # ... and, being run 3, compacted _sys/runs (5 rows in 5 files) without
+    # changing a row or adding to the change feed producers follow
+    assert len(DeltaTable(runs).file_uris()) == 1
+    assert [(r["run_number"], r["status"]) for r in rows(runs, sort="run_number")] == [
+        (1, "COMMITTED"), (1, "STARTED"), (2, "COMMITTED"), (3, "COMMITTED"), (3, "STARTED")]
+    assert state.last_run(warehouse).run_number == 3
+    requests = DeltaTable(table_path(warehouse, CHECK_REQUESTS))
+    feed = pa.table(requests.load_cdf(starting_version=0).read_all()).to_pylist()
+    assert [r["_change_type"] for r in feed] == ["insert"]
 
 
 def _versions(warehouse: str) -> dict[str, int]:
