@@ -1,4 +1,6 @@
 """Configuration: flag > env > file > default, and refusal of bad values."""
+import os
+
 import pytest
 
 from txn_core.config import Config, ConfigError, as_config, load_config
@@ -14,7 +16,14 @@ def test_defaults_match_spec():
     cfg = load_config(env={})
     assert (cfg.warehouse, cfg.transaction_timeout_ms, cfg.check_max, cfg.check_interval_ms,
             cfg.reserved_hours, cfg.max_checks_per_run, cfg.check_budget) == (
-        "./warehouse", 6000, 15, 30000, 72, 0, "answered")
+        os.path.abspath("./warehouse"), 6000, 15, 30000, 72, 0, "answered")
+
+
+def test_a_relative_warehouse_becomes_absolute_and_a_uri_stays_as_is(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_config(env={}, warehouse="./wh/demo").warehouse == str(tmp_path / "wh" / "demo")
+    assert load_config(env={}, warehouse="s3://bucket/wh").warehouse == "s3://bucket/wh"
+    assert load_config(env={}, warehouse="file:///data/wh").warehouse == "file:///data/wh"
 
 
 def test_precedence_flag_over_env_over_file(tmp_path):

@@ -127,8 +127,10 @@ def test_dry_run_computes_the_summary_and_writes_nothing(spark, warehouse):
     assert _tree(warehouse) == before
 
 
-def test_empty_warehouse_run_succeeds_with_zero_counters(spark, warehouse):
-    summary = reconcile(spark, {"warehouse": warehouse}, now_ms=5)
+def test_empty_warehouse_run_succeeds_with_zero_counters(spark, warehouse, monkeypatch):
+    # given as a relative path, as `make demo` and the default "./warehouse" do
+    monkeypatch.chdir(os.path.dirname(warehouse))
+    summary = reconcile(spark, {"warehouse": "./" + os.path.basename(warehouse)}, now_ms=5)
     d = summary.to_dict()
     assert d["run_number"] == 1 and d["pending_after"] == 0 and d["half_read"] == 0
     assert d["oldest_pending_age_ms"] is None and d["delivered_by_topic"] == {}

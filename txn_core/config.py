@@ -19,6 +19,16 @@ class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type or out of range."""
 
 
+def absolute_warehouse(warehouse: str) -> str:
+    """A local warehouse as an absolute path; a URI (s3://, file://, …) as is.
+
+    Spark's Delta table builder reads a relative location such as
+    `./warehouse/_sys/runs` as a table name and refuses it, and a relative
+    path would mean another place for every process started elsewhere.
+    """
+    return warehouse if "://" in warehouse else os.path.abspath(warehouse)
+
+
 @dataclass(frozen=True)
 class Config:
     """Validated settings shared by the broker core and the job.
@@ -43,6 +53,7 @@ class Config:
     def __post_init__(self) -> None:
         for f in fields(self):
             _check(f.name, getattr(self, f.name), "value")
+        object.__setattr__(self, "warehouse", absolute_warehouse(self.warehouse))
 
     def __getitem__(self, key: str) -> Any:  # dict-style access for notebooks
         if key not in _SPECS:
