@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -570,7 +571,15 @@ _COMMANDS = {"run": _cmd_run, "status": _cmd_status, "verify": _cmd_verify,
 
 
 def cli() -> None:
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The exit code is the contract (SPEC §5.1), and the interpreter's teardown
+    # can abort inside delta-rs' runtime ("terminate called without an active
+    # exception", SIGABRT), turning 75 into -6: everything is written and
+    # printed by now, so end the process here. (Spark's JVM exits when its
+    # gateway pipe closes.)
+    os._exit(code)
 
 
 if __name__ == "__main__":
