@@ -386,8 +386,9 @@ def _write_outputs(spark, wh: str, record: state.RunRecord, out: _Outputs,
 
     The writes are independent — each is idempotent on its own (txnAppId =
     the run number) and the intent makes them one run — so they need no
-    order; run one after another, Delta's per-commit overhead (~1 s each,
-    mostly the driver waiting) added up to about a third of a run.
+    order. Each costs a Delta commit's round trips besides its rows; on 2
+    local cores overlapping them saved ~10 % (11.4 s -> 10.2 s at 100,000
+    messages), on object storage the round trips weigh more.
     """
     for topic in out.delivered_by_topic:  # the tables first: creating one is a commit too
         state.ensure_topic_table(spark, wh, topic)
