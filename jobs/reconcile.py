@@ -42,12 +42,12 @@ from txn_core.config import Config, ConfigError, as_config, load_config  # noqa:
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 #: above this many OPs for messages no longer pending, look them up by a join, not IN (...)
 HISTORY_IN_LIST_MAX = 10_000
-#: output tables written at once (each write is mostly Delta's commit overhead)
+#: output tables written at once (independent idempotent writes; see _write_outputs)
 PARALLEL_WRITES = 4
 
 
 @dataclass
-class RunSummary:
+class RunSummary(state.InputVersions):
     """SPEC §5.3 counters of one run, plus the input versions it read."""
 
     run_id: str
@@ -69,12 +69,6 @@ class RunSummary:
     oldest_pending_age_ms: int | None
     duration_ms: int
     run_number: int
-    half_version: int
-    op_version: int
-    answers_version: int
-    prev_half_version: int
-    prev_op_version: int
-    prev_answers_version: int
     rejected_halves: int = 0
     #: the earliest now_ms at which a pending message becomes due for a check
     #: or a discard under this run's rules (None: nothing pending)
@@ -193,11 +187,7 @@ def _record_idle_run(spark, wh: str, last: state.RunRecord,
         # the same messages, older by the time since the last run
         oldest_pending_age_ms=(None if oldest is None
                                else max(oldest + intent.now_ms - last.now_ms, 0)),
-        duration_ms=0, run_number=intent.run_number,
-        half_version=intent.half_version, op_version=intent.op_version,
-        answers_version=intent.answers_version, prev_half_version=intent.prev_half_version,
-        prev_op_version=intent.prev_op_version,
-        prev_answers_version=intent.prev_answers_version,
+        duration_ms=0, run_number=intent.run_number, **intent.input_versions(),
         next_due_ms=prev.get("next_due_ms"), idle=True)
     summary.duration_ms = int((time.time() - started) * 1000)
     _commit(spark, wh, intent, summary, idempotent=False)
@@ -441,11 +431,8 @@ def _summary(record: state.RunRecord, out: _Outputs, duration_ms: int) -> RunSum
     values = {k: v for k, v in c.items() if k in names}
     return RunSummary(
         run_id=record.run_id, now_ms=record.now_ms, delivered_by_topic=out.delivered_by_topic,
-        duration_ms=duration_ms, run_number=record.run_number,
-        half_version=record.half_version, op_version=record.op_version,
-        answers_version=record.answers_version, prev_half_version=record.prev_half_version,
-        prev_op_version=record.prev_op_version,
-        prev_answers_version=record.prev_answers_version, **values)
+        duration_ms=duration_ms, run_number=record.run_number, **record.input_versions(),
+        **values)
 
 
 def _commit(spark, wh: str, record: state.RunRecord, summary: RunSummary, *,

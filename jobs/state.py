@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -168,7 +168,23 @@ def ensure_topic_table(spark: SparkSession, warehouse: str, topic: str) -> str:
 # --- run records -------------------------------------------------------------
 
 @dataclass
-class RunRecord:
+class InputVersions:
+    """The producer-table versions a run reads: each table's rows added in
+    (prev_*, *]. Both the run record and the run's summary carry them."""
+
+    half_version: int
+    op_version: int
+    answers_version: int
+    prev_half_version: int
+    prev_op_version: int
+    prev_answers_version: int
+
+    def input_versions(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(InputVersions)}
+
+
+@dataclass
+class RunRecord(InputVersions):
     """One row of `_sys/runs` (the intent, or the intent plus the summary)."""
 
     run_id: str
@@ -176,12 +192,6 @@ class RunRecord:
     status: str
     now_ms: int
     started_ms: int
-    half_version: int
-    op_version: int
-    answers_version: int
-    prev_half_version: int
-    prev_op_version: int
-    prev_answers_version: int
     state_versions: dict[str, int]
     rules_json: str
     ended_ms: int | None = None

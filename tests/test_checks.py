@@ -3,7 +3,6 @@ import multiprocessing
 import threading
 
 import pyarrow as pa
-import pytest
 from deltalake import DeltaTable, write_deltalake
 
 from schemas import CHECK_REQUESTS

@@ -146,18 +146,25 @@ class Cluster:
         # The executor JVM the worker forked is in the worker's group and can
         # outlive it for a moment.
         for proc in self.procs:
-            while _group_members(proc.pid) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if _group_members(proc.pid):
+            if not _group_gone(proc.pid, deadline):
                 _signal_group(proc.pid, signal.SIGKILL)
 
     def assert_stopped(self) -> None:
         for proc in self.procs:
             assert proc.poll() is not None
-            deadline = time.monotonic() + STOP_TIMEOUT_S
-            while _group_members(proc.pid) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert _group_members(proc.pid) == []
+            assert _group_gone(proc.pid, time.monotonic() + STOP_TIMEOUT_S)
+
+
+def _group_gone(pgid: int, deadline: float) -> bool:
+    """Wait until no process of group `pgid` is left, or the deadline passes.
+
+    The members are the worker's grandchildren (the executor JVM), which this
+    process cannot wait() for, so it polls; the sleep waits for other
+    processes to exit, no time rule depends on it.
+    """
+    while _group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _group_members(pgid)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
