@@ -1,0 +1,165 @@
+"""The group-commit writer: tickets, the wake-up chain, failures and log cleanup."""
+import os
+import threading
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable
+
+from schemas import OP, table_path
+from schemas.arrow import arrow_schema
+from txn_core import PersistError
+from txn_core import group_commit
+from txn_core.group_commit import GroupCommitWriter
+from txn_core.tables import PRODUCER_TABLE_CONFIG, open_or_create
+
+STORE_MS = 1234
+
+
+def op_rows(offsets: list[int]) -> dict[str, list]:
+    """OP columns for `offsets` (all but store_ms, which the writer stamps)."""
+    n = len(offsets)
+    return {"op_offset": offsets, "half_offset": offsets,
+            "transaction_id": [f"tx-{o}" for o in offsets], "producer_group": ["g"] * n,
+            "action": ["COMMIT"] * n, "source": ["PRODUCER"] * n, "remark": [None] * n}
+
+
+def open_writer(warehouse: str, configuration: dict | None = None,
+                **kwargs) -> GroupCommitWriter:
+    table = open_or_create(warehouse, OP, configuration=configuration)
+    return GroupCommitWriter(table, arrow_schema(OP), name=OP.path, clock=lambda: STORE_MS,
+                             **kwargs)
+
+
+def changes(warehouse: str) -> list[dict]:
+    return pa.table(DeltaTable(table_path(warehouse, OP)).load_cdf(starting_version=0)).to_pylist()
+
+
+class GatedWrites:
+    """Stands in for write_deltalake: holds the first commit until `release()`,
+    so the appends submitted meanwhile form the next batch; fails the commits
+    whose number is in `failing` (1 = the first)."""
+
+    def __init__(self, monkeypatch, failing=()):
+        self.gate, self.started = threading.Event(), threading.Event()
+        self.failing, self.calls = set(failing), 0
+        real = group_commit.write_deltalake
+
+        def write(*args, **kwargs):
+            self.calls += 1
+            if self.calls == 1:
+                self.started.set()
+                self.gate.wait(10)
+            if self.calls in self.failing:
+                raise OSError(f"disk full (commit {self.calls})")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(group_commit, "write_deltalake", write)
+
+    def hold_first(self, writer: GroupCommitWriter, offsets: list[int]):
+        ticket = writer.submit(op_rows(offsets))
+        assert self.started.wait(10)
+        return ticket
+
+    def release(self):
+        self.gate.set()
+
+
+def test_each_sender_gets_its_own_commits_version_and_rows_stay_in_order(warehouse):
+    writer = open_writer(warehouse)
+    got: dict[int, tuple[int, list[int]]] = {}
+    start = threading.Barrier(24)
+
+    def send(sender: int):
+        start.wait()
+        for k in range(5):
+            offsets = [sender * 100 + k * 10 + i for i in range(3)]
+            got[offsets[0]] = (writer.submit(op_rows(offsets)).result(), offsets)
+
+    threads = [threading.Thread(target=send, args=(s,)) for s in range(24)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    writer.close()
+
+    rows = changes(warehouse)
+    assert {r["_change_type"] for r in rows} == {"insert"} and len(rows) == 24 * 5 * 3
+    assert {r["store_ms"] for r in rows} == {STORE_MS}
+    by_version: dict[int, list[int]] = {}
+    for r in rows:
+        by_version.setdefault(r["_commit_version"], []).append(r["op_offset"])
+    assert len(by_version) == writer.commits < 24 * 5  # senders shared commits
+    for version, offsets in got.values():
+        committed = by_version[version]
+        at = committed.index(offsets[0])  # a sender's rows: in its commit, together, in order
+        assert committed[at:at + 3] == offsets
+
+
+def test_a_failed_commit_fails_only_its_own_senders(warehouse, monkeypatch):
+    writes = GatedWrites(monkeypatch, failing={2})
+    writer = open_writer(warehouse)
+    first = writes.hold_first(writer, [1])
+    doomed = [writer.submit(op_rows([o])) for o in (2, 3, 4)]  # queued: the second commit
+    writes.release()
+    assert first.result(10) == 1
+    for ticket in doomed:
+        with pytest.raises(PersistError, match="3 row\\(s\\) to _sys/op: disk full"):
+            ticket.result(10)
+    assert writer.submit(op_rows([5])).result(10) == 2  # the writer goes on
+    writer.close()
+    assert sorted(r["op_offset"] for r in changes(warehouse)) == [1, 5]
+
+
+def test_a_sender_that_never_asks_does_not_hold_up_the_others(warehouse, monkeypatch):
+    writes = GatedWrites(monkeypatch)
+    writer = open_writer(warehouse)
+    first = writes.hold_first(writer, [1])
+    with pytest.raises(TimeoutError):
+        first.result(timeout=0.01)  # the commit is still held
+    silent, *others = [writer.submit(op_rows([o])) for o in (2, 3, 4)]
+    writes.release()
+    # `silent` heads the second commit's wake-up chain and never passes it on;
+    # the writer wakes the rest after CHAIN_STALL_S
+    assert [t.result(10) for t in others] == [2, 2]
+    assert first.result(10) == first.result(10) == 1  # asking twice is fine
+    writer.close()
+    assert silent.result(10) == 2
+
+
+def log_entries(warehouse: str) -> list[str]:
+    return sorted(os.listdir(os.path.join(table_path(warehouse, OP), "_delta_log")))
+
+
+def test_the_writer_drops_expired_log_entries_every_log_cleanup_every_commits(warehouse):
+    config = dict(PRODUCER_TABLE_CONFIG, **{"delta.checkpointInterval": "5",
+                                            "delta.logRetentionDuration": "interval 0 seconds"})
+    writer = open_writer(warehouse, config, log_cleanup_every=8, compact_every=None)
+    for o in range(7):
+        writer.submit(op_rows([o])).result()
+    # version 7 committed: a checkpoint at 4, but no cleanup after each commit
+    assert "00000000000000000000.json" in log_entries(warehouse)
+    assert writer.log_cleanups == 0
+    assert writer.submit(op_rows([7])).result() == 8  # then cleanup up to the checkpoint ...
+    assert writer.submit(op_rows([8])).result() == 9  # ... and the writer goes on
+    writer.close()
+    entries = log_entries(warehouse)
+    assert writer.log_cleanups == 1
+    assert "00000000000000000003.json" not in entries
+    assert "00000000000000000004.json" in entries and "00000000000000000009.json" in entries
+    # the table still reads, and so does the change feed from the checkpoint on
+    table = DeltaTable(table_path(warehouse, OP))
+    assert sorted(table.to_pyarrow_table()["op_offset"].to_pylist()) == list(range(9))
+    feed = pa.table(table.load_cdf(starting_version=4)).to_pylist()
+    assert sorted(r["op_offset"] for r in feed) == [3, 4, 5, 6, 7, 8]
+    assert {r["_change_type"] for r in feed} == {"insert"}
+
+
+def test_log_cleanup_follows_the_tables_setting(warehouse):
+    config = dict(PRODUCER_TABLE_CONFIG, **{"delta.checkpointInterval": "5",
+                                            "delta.logRetentionDuration": "interval 0 seconds",
+                                            "delta.enableExpiredLogCleanup": "false"})
+    writer = open_writer(warehouse, config, log_cleanup_every=3, compact_every=None)
+    for o in range(9):
+        writer.submit(op_rows([o])).result()
+    writer.close()
+    assert writer.log_cleanups == 0
+    assert "00000000000000000000.json" in log_entries(warehouse)
