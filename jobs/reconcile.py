@@ -31,6 +31,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file by spark-submit: make `jobs`, `schemas`, … importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pyspark.sql import functions as F  # noqa: E402
+
 from jobs import state  # noqa: E402
 from jobs import transforms as T  # noqa: E402
 from jobs.faults import InjectedFault, fault_point  # noqa: E402
@@ -275,9 +277,11 @@ def _execute(spark, wh: str, record: state.RunRecord, lease: Lease | None,
 
 
 def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules) -> _Outputs:
+    """The run's outputs, decided on message keys, then joined with the
+    message bodies once (`jobs.transforms`' docstring)."""
     paths = state.input_paths(wh)
     ops = state.added_rows(spark, paths["op"], state.OP, record.prev_op_version,
-                           record.op_version).cache()
+                           record.op_version)
     half = state.added_rows(spark, paths["half"], HALF, record.prev_half_version,
                             record.half_version)
     answers = state.added_rows(spark, paths["answers"], state.CHECK_ANSWERS,
@@ -286,27 +290,48 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules) -> _Output
     queues = state.read_state(spark, wh, record.state_versions, QUEUES)
 
     accepted, rejected_halves = T.split_halves(half, rules)
-    live = T.live_messages(pending_prev, accepted, rules).cache()
+    messages = T.live_messages(pending_prev, accepted, rules)
+    live = T.message_keys(messages).cache()
     resolved_hist, discard_hist = _history_for(spark, wh, record, ops, live)
     targets = T.op_targets(live, T.history_targets(resolved_hist, discard_hist))
     classified = T.classify_ops(ops, targets).cache()
-    messages = T.conform(live, HALF).unionByName(T.conform(discard_hist, HALF))
-    won = T.winners(classified, messages).cache()
-    delivered = T.deliveries(won, queues, rules).cache()
-    remaining = T.apply_answers(T.remaining_pending(live, won), answers)
-    decided = T.decide(remaining, rules).cache()
-
-    out = _Outputs(
-        delivered=delivered,
-        requests=T.check_requests(decided, rules),
-        discards=T.discards(decided, rules),
+    won = T.winners(classified)
+    positions = T.queue_positions(won, queues).cache()
+    undecided = T.apply_answers(T.remaining_pending(live, won), answers)
+    decided = T.decide(undecided, rules).cache()
+    fates = positions.unionByName(decided, allowMissingColumns=True)
+    counts, delivered_by_topic = _count(half, answers, pending_prev, classified, positions,
+                                        decided, rules)
+    bodies = T.message_bodies(messages).unionByName(T.message_bodies(discard_hist))
+    settled = T.with_bodies(fates, bodies).cache()
+    cached = [live, classified, positions, decided, settled]
+    try:
+        _check_settled(settled, counts.pop("_fates"))
+    except BaseException:
+        for df in cached:
+            df.unpersist()
+        raise
+    return _Outputs(
+        delivered=T.deliveries(settled, rules),
+        requests=T.check_requests(settled, rules),
+        discards=T.discards(settled, rules),
         resolved=T.resolved_rows(won, rules),
         rejected=rejected_halves.unionByName(T.op_rejections(classified, rules)),
-        queues=T.next_queues(queues, delivered, rules),
-        pending=T.next_pending(decided, rules),
-        cached=[ops, live, classified, won, delivered, decided])
-    _count(out, half, answers, pending_prev, classified, decided, rules)
-    return out
+        queues=T.next_queues(queues, positions, rules),
+        pending=T.next_pending(settled, rules),
+        counts=counts, delivered_by_topic=delivered_by_topic,
+        cached=cached)
+
+
+def _check_settled(settled, fates: int) -> None:
+    """Fill the cache every write reads, and make sure no decided message
+    lost its body on the way: it would be missing from the output tables.
+    (Every fate comes from a message row, so this guards the code, not the
+    data.)"""
+    found = settled.count()
+    if found < fates:
+        raise RuntimeError(f"{fates} messages were decided but only {found} joined their "
+                           f"bodies; nothing was written")
 
 
 def _history_for(spark, wh: str, record: state.RunRecord, ops, live):
@@ -328,12 +353,12 @@ def _history_for(spark, wh: str, record: state.RunRecord, ops, live):
             discarded.join(wanted, "half_offset", "left_semi"))
 
 
-def _count(out: _Outputs, half, answers, pending_prev, classified, decided,
-           rules: T.Rules) -> None:
-    """All the run's counters from one Spark job: one single-row aggregate
-    per input, cross-joined (each separate action costs a job's latency)."""
+def _count(half, answers, pending_prev, classified, positions, decided,
+           rules: T.Rules) -> tuple[dict, dict]:
+    """(counters, delivered rows by topic) from one Spark job: one single-row
+    aggregate per input, cross-joined (each separate action costs a job's
+    latency). `_fates` counts the messages delivered or still to decide."""
     from functools import reduce
-    from pyspark.sql import functions as F
     n = F.count(F.lit(1))
 
     def where(cond):
@@ -341,7 +366,7 @@ def _count(out: _Outputs, half, answers, pending_prev, classified, decided,
 
     outcome, action, decision = F.col("outcome"), F.col("action"), F.col("decision")
     still_pending = decision.isin(T.CHECK, T.WAIT)
-    by_topic = out.delivered.groupBy("topic").agg(n.alias("n"))
+    by_topic = positions.groupBy("topic").agg(n.alias("n"))
     parts = [
         half.agg(n.alias("half_read"),
                  where(T.half_reject_reason().isNotNull()).alias("rejected_halves")),
@@ -356,18 +381,21 @@ def _count(out: _Outputs, half, answers, pending_prev, classified, decided,
             where(outcome == T.INVALID).alias("invalid_ops"),
             where(outcome == T.LATE).alias("late_ops")),
         decided.agg(
+            n.alias("_decided"),
             where(decision == T.CHECK).alias("check_requests"),
             where(decision == T.MAX_CHECKS).alias("discarded_max_checks"),
             where(decision == T.EXPIRED).alias("discarded_expired"),
             where(still_pending).alias("pending_after"),
             F.max(F.when(still_pending, F.col("age_ms"))).alias("oldest_pending_age_ms")),
-        out.pending.agg(F.min(T.due_at_ms(rules)).alias("next_due_ms")),
-        by_topic.agg(F.map_from_entries(F.collect_list(F.struct("topic", "n")))
+        T.still_pending(decided, rules).agg(F.min(T.due_at_ms(rules)).alias("next_due_ms")),
+        by_topic.agg(F.sum("n").alias("_delivered"),
+                     F.map_from_entries(F.collect_list(F.struct("topic", "n")))
                      .alias("delivered_by_topic")),
     ]
     row = reduce(lambda a, b: a.crossJoin(b), parts).first().asDict()
-    out.delivered_by_topic = dict(sorted((row.pop("delivered_by_topic") or {}).items()))
-    out.counts.update(row)
+    by_topic = dict(sorted((row.pop("delivered_by_topic") or {}).items()))
+    row["_fates"] = row.pop("_decided") + (row.pop("_delivered") or 0)
+    return row, by_topic
 
 
 def _write_outputs(spark, wh: str, record: state.RunRecord, out: _Outputs,

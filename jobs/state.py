@@ -23,6 +23,11 @@ from schemas.spark import spark_schema
 
 #: tables whose rows other parties read incrementally or with delta-rs: change data feed on
 CDF_PROPERTIES = {"delta.enableChangeDataFeed": "true"}
+#: leading columns with file statistics, for the big tables. Statistics cost
+#: CPU on every row written, and only these are ever used to skip files:
+#: consumers seek a topic by (queue_id, queue_offset), a run looks resolved
+#: messages up by half_offset, and the pending set is always read whole.
+STATS_COLUMNS = {TOPIC.path: 2, RESOLVED.path: 1, PENDING.path: 1}
 #: `_sys/runs` last: once it exists, all the others do (one existence check per run)
 JOB_TABLES = (PENDING, QUEUES, RESOLVED, REJECTED, DISCARD, CHECK_REQUESTS, RUNS)
 #: state tables a run reads, pinned by version in its intent
@@ -53,9 +58,16 @@ def create_table(spark: SparkSession, path: str, table: TableSchema) -> None:
     table feature, so delta-rs can read them."""
     from delta.tables import DeltaTable
     builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(spark_schema(table))
-    for key, value in CDF_PROPERTIES.items():
+    for key, value in table_properties(table).items():
         builder = builder.property(key, value)
     builder.execute()
+
+
+def table_properties(table: TableSchema) -> dict[str, str]:
+    props = dict(CDF_PROPERTIES)
+    if table.path in STATS_COLUMNS:
+        props["delta.dataSkippingNumIndexedCols"] = str(STATS_COLUMNS[table.path])
+    return props
 
 
 def ensure_job_tables(spark: SparkSession, warehouse: str) -> None:

@@ -7,10 +7,15 @@ deterministic for given inputs, which is what lets a crashed run be redone
 with identical outputs (I4).
 
 Order of a run, top to bottom:
-  split_halves -> live_messages -> (history lookup for unmatched OPs) ->
-  classify_ops -> winners -> deliveries / next_queues / resolved_rows ->
-  remaining_pending -> apply_answers -> decide -> discards / check_requests /
-  next_pending
+  split_halves -> live_messages -> message_keys -> (history lookup for
+  unmatched OPs) -> op_targets -> classify_ops -> winners -> queue_positions /
+  next_queues / resolved_rows; remaining_pending -> apply_answers -> decide;
+  with_bodies -> deliveries / discards / check_requests / next_pending
+
+The rules read only a message's keys (`message_keys`: ids, topic, queue,
+times, check counters). Its body, properties and the like are joined back
+once, onto the rows that carry them out (`with_bodies`): the costly columns
+cross the run in one join instead of through every join and sort.
 """
 from __future__ import annotations
 
@@ -28,9 +33,17 @@ ACTIONS = ("COMMIT", "ROLLBACK")
 SOURCES = ("PRODUCER", "CHECK", "ADMIN")
 UNDECIDED_ANSWERS = ("UNKNOWN", "ERROR")
 
+#: columns of a message no rule reads; they only travel to the output tables
+BODY_COLUMNS = ("msg_id", "tags", "keys", "body", "properties", "born_ms")
+
+#: the columns of `message_keys` (pending messages without their bodies)
+MESSAGE_KEY_COLUMNS = tuple(c for c in PENDING.names if c not in BODY_COLUMNS)
+
 # OP outcomes
 WIN, DUPLICATE, CONFLICT, INVALID, LATE = "WIN", "DUPLICATE", "CONFLICT", "INVALID", "LATE"
-# decisions on a message still pending after resolution
+# what becomes of a message this run: delivered, or (still pending after
+# resolution) discarded, checked or left waiting
+DELIVER = "DELIVER"
 EXPIRED, MAX_CHECKS, CHECK, WAIT = "EXPIRED", "MAX_CHECKS", "CHECK", "WAIT"
 
 # RocketMQ's topic rule (TopicValidator): 1..127 of [A-Za-z0-9_%|-]. A row
@@ -120,7 +133,33 @@ def live_messages(pending_prev: DataFrame, accepted_half: DataFrame, rules: Rule
     return conform(pending_prev, PENDING).unionByName(conform(fresh, PENDING))
 
 
+def message_keys(messages: DataFrame) -> DataFrame:
+    """`messages` (PENDING rows) without their BODY_COLUMNS: all the rules need."""
+    return messages.select(*MESSAGE_KEY_COLUMNS)
+
+
+def message_bodies(messages: DataFrame) -> DataFrame:
+    """half_offset and the BODY_COLUMNS of `messages`, to join back with `with_bodies`."""
+    return messages.select("half_offset", *BODY_COLUMNS)
+
+
 # --- 2. OPs ----------------------------------------------------------------
+
+def history_targets(resolved: DataFrame, discarded: DataFrame) -> DataFrame:
+    """What the history says about some messages: how they were resolved
+    (`prior_action`) and whether they were discarded."""
+    res = resolved.select("half_offset", "transaction_id", "producer_group", "topic",
+                          F.lit(None).cast("int").alias("queue_id"),
+                          F.col("action").alias("prior_action"),
+                          F.col("after_discard").alias("discarded"))
+    dis = discarded.select("half_offset", "transaction_id", "producer_group", "topic",
+                           "queue_id", F.lit(None).cast("string").alias("prior_action"),
+                           F.lit(True).alias("discarded"))
+    # the rows of one message agree on its identity; max() just picks it deterministically
+    return (res.unionByName(dis).groupBy("half_offset")
+            .agg(*[F.max(c).alias(c) for c in ("transaction_id", "producer_group", "topic",
+                                               "queue_id", "prior_action", "discarded")]))
+
 
 def unmatched_op_keys(ops: DataFrame, live: DataFrame) -> DataFrame:
     """half_offsets of OPs for no live message: only these need the history."""
@@ -128,32 +167,18 @@ def unmatched_op_keys(ops: DataFrame, live: DataFrame) -> DataFrame:
             .join(live.select("half_offset"), "half_offset", "left_anti"))
 
 
-def history_targets(resolved: DataFrame, discarded: DataFrame) -> DataFrame:
-    """What the history says about some messages: how they were resolved
-    (`prior_action`) and whether they were discarded."""
-    res = resolved.select("half_offset", "transaction_id", "producer_group",
-                          F.col("action").alias("prior_action"),
-                          F.col("after_discard").alias("discarded"))
-    dis = discarded.select("half_offset", "transaction_id", "producer_group",
-                           F.lit(None).cast("string").alias("prior_action"),
-                           F.lit(True).alias("discarded"))
-    return (res.unionByName(dis).groupBy("half_offset")
-            .agg(F.first("transaction_id").alias("transaction_id"),
-                 F.first("producer_group").alias("producer_group"),
-                 F.max("prior_action").alias("prior_action"),
-                 F.max("discarded").alias("discarded")))
-
-
 def op_targets(live: DataFrame, history: DataFrame) -> DataFrame:
-    """Every message an OP of this run may refer to, with its identity."""
-    pending = live.select("half_offset", "transaction_id", "producer_group",
-                          F.lit(None).cast("string").alias("prior_action"),
+    """Every message an OP of this run may refer to, with its identity and queue."""
+    pending = live.select("half_offset", "transaction_id", "producer_group", "topic",
+                          "queue_id", F.lit(None).cast("string").alias("prior_action"),
                           F.lit(False).alias("discarded"))
     return pending.unionByName(history)
 
 
 def classify_ops(ops: DataFrame, targets: DataFrame) -> DataFrame:
-    """Add `outcome` (WIN, DUPLICATE, CONFLICT, INVALID, LATE) and `reason` to each OP.
+    """Add `outcome` (WIN, DUPLICATE, CONFLICT, INVALID, LATE) and `reason` to
+    each OP, and the `topic`, `queue_id` and `discarded` flag of the message
+    it names.
 
     The first valid OP in commit order (table version, then op_offset within
     the commit) wins; a message resolved by an earlier run has no winner here,
@@ -163,7 +188,7 @@ def classify_ops(ops: DataFrame, targets: DataFrame) -> DataFrame:
     t = targets.select("half_offset",
                        F.col("transaction_id").alias("_t_txn"),
                        F.col("producer_group").alias("_t_group"),
-                       "prior_action", "discarded")
+                       "topic", "queue_id", "prior_action", "discarded")
     reason = (F.when(F.col("_t_txn").isNull(), F.lit("unknown half_offset"))
               .when(~F.col("action").isin(*ACTIONS), F.lit("invalid action"))
               .when(~F.col("source").isin(*SOURCES), F.lit("invalid source"))
@@ -206,34 +231,50 @@ def op_rejections(classified: DataFrame, rules: Rules) -> DataFrame:
                               F.lit(rules.run_id).alias("run_id")), REJECTED)
 
 
-def winners(classified: DataFrame, messages: DataFrame) -> DataFrame:
-    """Winning OPs with the whole message they decide (HALF columns)."""
-    win = classified.where(F.col("outcome") == WIN).select(
-        "half_offset", "action", "source", "op_offset", "commit_version",
+def winners(classified: DataFrame) -> DataFrame:
+    """The winning OPs: the message each decides (its keys: the OP matched
+    them) and the decision."""
+    return classified.where(F.col("outcome") == WIN).select(
+        "half_offset", "transaction_id", "producer_group", "topic", "queue_id",
+        "action", "source", "op_offset", "commit_version",
         F.col("store_ms").alias("op_store_ms"), "discarded")
-    return win.join(conform(messages, HALF), "half_offset", "inner")
 
 
 # --- 3. deliveries ---------------------------------------------------------
 
-def deliveries(won: DataFrame, queues: DataFrame, rules: Rules) -> DataFrame:
-    """TOPIC rows (plus `topic`) for winning COMMITs: dense queue offsets per
-    (topic, queue_id), continuing the previous maximum, in commit order."""
+def queue_positions(won: DataFrame, queues: DataFrame) -> DataFrame:
+    """Where each winning COMMIT goes (`decision` DELIVER): dense queue
+    offsets per (topic, queue_id), continuing the previous maximum, in commit
+    order; `commit_ms` is the winning OP's store time."""
     base = queues.select("topic", "queue_id", "next_queue_offset")
     order = Window.partitionBy("topic", "queue_id").orderBy("commit_version", "op_offset")
-    rows = (won.where(F.col("action") == "COMMIT")
+    return (won.where(F.col("action") == "COMMIT")
             .join(base, ["topic", "queue_id"], "left")
-            .withColumn("queue_offset", F.coalesce(F.col("next_queue_offset"), F.lit(0))
-                        + F.row_number().over(order) - 1)
-            .withColumn("commit_ms", F.col("op_store_ms"))
+            .select("half_offset", "transaction_id", "producer_group", "topic", "queue_id",
+                    (F.coalesce(F.col("next_queue_offset"), F.lit(0))
+                     + F.row_number().over(order) - 1).alias("queue_offset"),
+                    F.col("op_store_ms").alias("commit_ms"),
+                    F.lit(DELIVER).alias("decision")))
+
+
+def with_bodies(fates: DataFrame, bodies: DataFrame) -> DataFrame:
+    """Rows decided on keys alone (queue positions, decided pending rows),
+    each with its message's BODY_COLUMNS from `bodies` (`message_bodies`)."""
+    return fates.join(bodies, "half_offset", "inner")
+
+
+def deliveries(settled: DataFrame, rules: Rules) -> DataFrame:
+    """TOPIC rows (plus `topic`) of the DELIVER rows of `settled` (queue
+    positions joined `with_bodies`)."""
+    rows = (settled.where(F.col("decision") == DELIVER)
             .withColumn("delivered_ms", F.lit(rules.now_ms))
             .withColumn("run_id", F.lit(rules.run_id)))
     return conform(rows, TOPIC, "topic")
 
 
-def next_queues(queues: DataFrame, delivered: DataFrame, rules: Rules) -> DataFrame:
-    """The QUEUES table after this run's deliveries."""
-    moved = (delivered.groupBy("topic", "queue_id")
+def next_queues(queues: DataFrame, positions: DataFrame, rules: Rules) -> DataFrame:
+    """The QUEUES table after this run's deliveries (`queue_positions`)."""
+    moved = (positions.groupBy("topic", "queue_id")
              .agg((F.max("queue_offset") + 1).alias("next_queue_offset"))
              .withColumn("run_number", F.lit(rules.run_number)))
     kept = queues.join(moved.select("topic", "queue_id"), ["topic", "queue_id"], "left_anti")
@@ -251,6 +292,7 @@ def resolved_rows(won: DataFrame, rules: Rules) -> DataFrame:
 # --- 4. what stays pending -------------------------------------------------
 
 def remaining_pending(live: DataFrame, won: DataFrame) -> DataFrame:
+    """The live messages no OP of this run decided."""
     return live.join(won.select("half_offset"), "half_offset", "left_anti")
 
 
@@ -340,12 +382,17 @@ def check_requests(decided: DataFrame, rules: Rules) -> DataFrame:
     return conform(rows, CHECK_REQUESTS)
 
 
-def next_pending(decided: DataFrame, rules: Rules) -> DataFrame:
+def still_pending(decided: DataFrame, rules: Rules) -> DataFrame:
+    """The CHECK and WAIT rows of `decided` as the next run will see them
+    (a check counted), with whatever columns `decided` has."""
     checked = F.col("decision") == CHECK
-    rows = (decided.where(F.col("decision").isin(CHECK, WAIT))
+    return (decided.where(F.col("decision").isin(CHECK, WAIT))
             .withColumn("checks_sent", F.when(checked, F.col("checks_sent") + 1)
                         .otherwise(F.col("checks_sent")))
             .withColumn("last_check_ms", F.when(checked, F.lit(rules.now_ms))
                         .otherwise(F.col("last_check_ms")))
             .withColumn("run_number", F.lit(rules.run_number)))
-    return conform(rows, PENDING)
+
+
+def next_pending(decided: DataFrame, rules: Rules) -> DataFrame:
+    return conform(still_pending(decided, rules), PENDING)

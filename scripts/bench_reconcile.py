@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from schemas import HALF, OP, table_path  # noqa: E402
 from schemas.arrow import arrow_schema  # noqa: E402
+from schemas.spark import spark_schema  # noqa: E402
 from txn_core.tables import ensure_broker_tables  # noqa: E402
 
 TOPICS = ("ORDER", "PAY", "SHIP", "BILL")
@@ -99,7 +100,17 @@ def timed(fn) -> tuple[float, object]:
 
 
 def lower_bound(spark, warehouse: str, start_half_v: int, start_op_v: int, out: str) -> float:
-    """Read B new half + OP rows from the change feed, write the delivered rows once."""
+    """Read B new half + OP rows from the change feed, write the delivered rows once
+    (to a table made like a topic table, with its file statistics)."""
+    from delta.tables import DeltaTable as SparkDeltaTable
+    from jobs.state import table_properties
+    from schemas import TOPIC
+    builder = SparkDeltaTable.createIfNotExists(spark).location(out).addColumns(
+        spark_schema(HALF))
+    for key, value in table_properties(TOPIC).items():
+        builder = builder.property(key, value)
+    builder.execute()
+
     def run():
         def feed(path, after):
             return (spark.read.format("delta").option("readChangeFeed", "true")

@@ -112,6 +112,12 @@ def test_delta_rs_reads_check_requests_and_topics_with_change_feed(spark, wareho
         feed = pa.table(table.load_cdf(starting_version=0).read_all()).to_pylist()
         assert [r["half_offset"] for r in feed if r["_change_type"] == "insert"] == \
             [message["half_offset"]]
+    # statistics only on the columns a reader seeks by: a topic by (queue_id, queue_offset)
+    config = DeltaTable(topic_path(warehouse, "ORDER")).metadata().configuration
+    assert config.get("delta.dataSkippingNumIndexedCols") == "2"
+    add = pa.table(DeltaTable(topic_path(warehouse, "ORDER")).get_add_actions(flatten=True)
+                   ).to_pylist()[0]
+    assert add["min.queue_offset"] == 0 and "min.msg_id" not in add
 
 
 def test_dry_run_computes_the_summary_and_writes_nothing(spark, warehouse):

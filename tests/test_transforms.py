@@ -160,7 +160,7 @@ def _outcomes(spark, live_rows, ops, history=None):
     hist = history if history is not None else T.history_targets(
         spark.createDataFrame([], spark_schema(RESOLVED)),
         spark.createDataFrame([], spark_schema(DISCARD)))
-    classified = T.classify_ops(ops_df(spark, *ops), T.op_targets(live, hist))
+    classified = T.classify_ops(ops_df(spark, *ops), T.op_targets(T.message_keys(live), hist))
     return {r["op_offset"]: (r["outcome"], r["reason"])
             for r in classified.select("op_offset", "outcome", "reason").collect()}
 
@@ -186,6 +186,19 @@ def test_invalid_ops_are_counted_and_a_later_valid_op_wins(spark):
                    2: (T.INVALID, "transaction_id mismatch"),
                    3: (T.INVALID, "invalid action"), 4: (T.INVALID, "invalid source"),
                    5: (T.INVALID, "unknown half_offset"), 6: (T.WIN, None)}
+
+
+def test_only_the_live_messages_no_valid_op_decided_remain_pending(spark):
+    decided, forged, silent = fx.half(1), fx.half(2), fx.half(3)
+    ops = [(fx.op(decided, op_offset=10), 1),
+           (fx.op(forged, op_offset=11, producer_group="other"), 1),
+           (fx.op(fx.half(99), op_offset=12), 2)]
+    live = T.message_keys(pending_df(spark, decided, forged, silent))
+    assert live.columns == list(T.MESSAGE_KEY_COLUMNS)
+    classified = T.classify_ops(ops_df(spark, *ops), T.op_targets(live, _history(spark)))
+    remaining = T.remaining_pending(live, T.winners(classified))
+    assert sorted(r[0] for r in remaining.select("half_offset").collect()) == [2, 3]
+    assert [r[0] for r in T.unmatched_op_keys(ops_df(spark, *ops), live).collect()] == [99]
 
 
 def _history(spark, resolved=(), discarded=()):
@@ -242,16 +255,18 @@ def test_deliveries_dense_per_queue_in_commit_order_continuing_previous(spark):
     ops = [(fx.op(hs[0], op_offset=50), 9), (fx.op(hs[1], op_offset=70), 8),
            (fx.op(hs[2], op_offset=1), 8), (fx.op(hs[3], op_offset=2), 9)]
     live = pending_df(spark, *hs)
-    classified = T.classify_ops(ops_df(spark, *ops), T.op_targets(live, _history(spark)))
-    won = T.winners(classified, live)
+    won = T.winners(T.classify_ops(ops_df(spark, *ops),
+                                   T.op_targets(T.message_keys(live), _history(spark))))
     queues = spark.createDataFrame([{"topic": "ORDER", "queue_id": 0, "next_queue_offset": 10,
                                      "run_number": 3}], spark_schema(QUEUES))
-    got = T.deliveries(won, queues, r).select("topic", "queue_id", "queue_offset", "half_offset")
+    positions = T.queue_positions(won, queues)
+    settled = T.with_bodies(positions, T.message_bodies(live))
+    got = T.deliveries(settled, r).select("topic", "queue_id", "queue_offset", "half_offset")
     expected = spark.createDataFrame(
         [("ORDER", 0, 10, 2), ("ORDER", 0, 11, 1), ("ORDER", 1, 0, 3), ("PAY", 0, 0, 4)],
         "topic string, queue_id int, queue_offset long, half_offset long")
     assert_df_equality(got, expected, ignore_row_order=True, ignore_nullable=True)
-    nxt = T.next_queues(queues, T.deliveries(won, queues, r), r).select(
+    nxt = T.next_queues(queues, positions, r).select(
         "topic", "queue_id", "next_queue_offset")
     assert sorted(map(tuple, nxt.collect())) == [("ORDER", 0, 12), ("ORDER", 1, 1), ("PAY", 0, 1)]
 
@@ -261,13 +276,13 @@ def test_delivered_row_carries_the_message_byte_identical(spark):
     h = fx.half(1, body=body, tags="t\u00e9", keys="k 1", properties={"\u00fc": "\x00v"})
     live = pending_df(spark, h)
     won = T.winners(T.classify_ops(ops_df(spark, (fx.op(h, store_ms=77), 1)),
-                                   T.op_targets(live, _history(spark))), live)
+                                   T.op_targets(T.message_keys(live), _history(spark))))
     empty_q = spark.createDataFrame([], spark_schema(QUEUES))
-    row = T.deliveries(won, empty_q, rules()).first()
+    positions = T.queue_positions(won, empty_q)
+    row = T.deliveries(T.with_bodies(positions, T.message_bodies(live)), rules()).first()
     assert (row["body"], row["tags"], row["keys"], row["properties"]) == \
         (body, "t\u00e9", "k 1", {"\u00fc": "\x00v"})
     assert (row["commit_ms"], row["delivered_ms"], row["queue_offset"]) == (77, NOW, 0)
-    assert set(T.conform(won, HALF).columns) <= set(HALF.names)
     assert [c for c in row.asDict() if c != "topic"] == TOPIC.names
 
 
