@@ -23,11 +23,12 @@ from schemas.spark import spark_schema
 
 #: tables whose rows other parties read incrementally or with delta-rs: change data feed on
 CDF_PROPERTIES = {"delta.enableChangeDataFeed": "true"}
-#: leading columns with file statistics, for the big tables. Statistics cost
-#: CPU on every row written, and only these are ever used to skip files:
-#: consumers seek a topic by (queue_id, queue_offset), a run looks resolved
-#: messages up by half_offset, and the pending set is always read whole.
-STATS_COLUMNS = {TOPIC.path: 2, RESOLVED.path: 1, PENDING.path: 1}
+#: leading columns with file statistics. Statistics cost CPU on every row
+#: written (and, for the 38 columns of a run record, ~1 s of a cold JVM's
+#: first write), and only these are ever used to skip files: consumers seek
+#: a topic by (queue_id, queue_offset), a run looks resolved messages up by
+#: half_offset and the last run by run_number; the pending set is read whole.
+STATS_COLUMNS = {TOPIC.path: 2, RESOLVED.path: 1, PENDING.path: 1, RUNS.path: 2}
 #: `_sys/runs` last: once it exists, all the others do (one existence check per run)
 JOB_TABLES = (PENDING, QUEUES, RESOLVED, REJECTED, DISCARD, CHECK_REQUESTS, RUNS)
 #: state tables a run reads, pinned by version in its intent

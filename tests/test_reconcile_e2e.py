@@ -118,6 +118,8 @@ def test_delta_rs_reads_check_requests_and_topics_with_change_feed(spark, wareho
     add = pa.table(DeltaTable(topic_path(warehouse, "ORDER")).get_add_actions(flatten=True)
                    ).to_pylist()[0]
     assert add["min.queue_offset"] == 0 and "min.msg_id" not in add
+    runs = DeltaTable(table_path(warehouse, RUNS)).metadata().configuration
+    assert runs.get("delta.dataSkippingNumIndexedCols") == "2"  # run_id, run_number
 
 
 def test_dry_run_computes_the_summary_and_writes_nothing(spark, warehouse):
