@@ -79,6 +79,9 @@ def test_runs_resolve_deliver_check_and_discard_across_runs(spark, warehouse):
     assert [r["queue_offset"] for r in order] == [0, 1, 2, 3, 4]
     assert [r["half_offset"] for r in order[2:]] == \
         [h6["half_offset"], h4["half_offset"], h_admin["half_offset"]]
+    # bodies joined back from new halves, the pending set and (the override) the discard table
+    assert [(r["body"], r["keys"]) for r in order[2:]] == \
+        [(h["body"], h["keys"]) for h in (h6, h4, h_admin)]
     discard = {r["half_offset"]: r["reason"] for r in rows(table_path(warehouse, DISCARD))}
     assert discard == {h_late["half_offset"]: "EXPIRED", h_admin["half_offset"]: "EXPIRED",
                        h_answered["half_offset"]: "MAX_CHECKS"}
@@ -207,3 +210,10 @@ def test_log_cleaned_beyond_the_cursor_fails_clearly_and_writes_nothing(spark, w
     assert not os.path.exists(topic_path(warehouse, "ORDER"))
     runs = DeltaTable(table_path(warehouse, RUNS)).to_pyarrow_table().to_pylist()
     assert [r["status"] for r in runs] == ["STARTED"]  # the next run retries the same intent
+
+
+def test_a_decided_message_without_its_body_stops_the_run_before_any_write(spark):
+    from jobs.reconcile import _check_settled
+    _check_settled(spark.range(2), 2)
+    with pytest.raises(RuntimeError, match="3 messages were decided but only 2"):
+        _check_settled(spark.range(2), 3)
