@@ -8,6 +8,7 @@ setup:
 	$(PYTHON) -m pip install -q --disable-pip-version-check --root-user-action=ignore -e '.[test]'
 	mvn -q -B -f pom.xml dependency:resolve dependency:build-classpath \
 	    -Dmdep.outputFile=target/spark-jars.txt -DexcludeArtifactIds=scala-library
+	$(PYTHON) scripts/build_class_archive.py
 
 demo: setup
 	$(PYTHON) scripts/demo.py

@@ -21,6 +21,8 @@ spark_bin="$("$python" -c 'import os, pyspark; print(os.path.join(os.path.dirnam
 # Read the jar coordinate from jobs/session.py, so there is one place to bump it.
 delta_jar="$(cd "$repo" && "$python" -c 'from jobs.session import DELTA_JAR; print(DELTA_JAR)')"
 pyfiles="$("$python" "$repo/scripts/build_pyfiles.py")"
+# The class archive `make setup` built (if any) for the driver JVM, as a local session gets it.
+driver_opts="$(cd "$repo" && "$python" -c 'from jobs.session import driver_java_options; print(driver_java_options())')"
 
 export PYSPARK_PYTHON="${PYSPARK_PYTHON:-$(command -v "$python")}"
 # SPARK_TESTING makes Ivy look in ./dummy/.m2 instead of ~/.m2 (SPEC §7).
@@ -30,6 +32,7 @@ unset SPARK_TESTING
 exec "$spark_bin/spark-submit" \
   --master "${TXN_SPARK_MASTER:-local[2]}" \
   --packages "$delta_jar" \
+  --driver-java-options "$driver_opts" \
   --conf spark.sql.extensions=io.delta.sql.DeltaSparkSessionExtension \
   --conf spark.sql.catalog.spark_catalog=org.apache.spark.sql.delta.catalog.DeltaCatalog \
   --py-files "$pyfiles" \

@@ -181,6 +181,32 @@ def test_idle_run_writes_one_record_until_something_is_due_or_the_rules_change(
     assert [r["_change_type"] for r in feed] == ["insert"]
 
 
+def test_the_cli_predicts_an_idle_run_before_spark_starts_and_starts_it_short_lived(
+        spark, warehouse, monkeypatch):
+    from jobs import reconcile as job
+    from jobs import state
+    started = []
+    monkeypatch.setattr(job, "_spark", lambda short_lived=False: started.append(short_lived)
+                        or spark)
+    cfg = {"warehouse": warehouse, "transaction_timeout_ms": 60_000}
+    assert not job.idle_ahead(cfg, 1000)  # no run yet: the first one creates the tables
+    fx.write_halves(warehouse, fx.half(store_ms=0))
+    assert job.main(["run", "--warehouse", warehouse, "--now-ms", "1000",
+                     "--transaction-timeout-ms", "60000"]) == 0
+    assert job.idle_ahead(cfg, 60_000)  # pending, but immune until 60_001
+    assert not job.idle_ahead(cfg, 60_001)  # due: a full run
+    assert not job.idle_ahead({**cfg, "transaction_timeout_ms": 30_000}, 60_000)  # new rules
+    assert job.main(["run", "--warehouse", warehouse, "--now-ms", "60000",
+                     "--transaction-timeout-ms", "60000"]) == 0
+    assert started == [False, True]  # run 1 full, run 2 idle in a short-lived JVM
+    assert job.idle_ahead(cfg, 60_000)
+    monkeypatch.setattr(state, "COMPACT_EVERY_RUNS", 3)
+    assert not job.idle_ahead(cfg, 60_000)  # run 3 compacts the job's tables
+    monkeypatch.setattr(state, "COMPACT_EVERY_RUNS", 100)
+    fx.write_halves(warehouse, fx.half(store_ms=0))
+    assert not job.idle_ahead(cfg, 60_000)  # a new half: a full run
+
+
 def _versions(warehouse: str) -> dict[str, int]:
     out = {}
     for root, dirs, _ in os.walk(warehouse):

@@ -1,7 +1,14 @@
-"""Which jars a local SparkSession is given (no Spark started here)."""
+"""Which jars and JVM options a local SparkSession is given (no Spark started here)."""
 import os
+import subprocess
+import sys
+from pathlib import Path
 
-from jobs.session import DELTA_JAR, resolved_jars
+from jobs.session import DELTA_JAR, SHORT_LIVED_JVM, driver_java_options, resolved_jars
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+import build_class_archive  # noqa: E402
 
 
 def _jar(tmp_path, name: str) -> str:
@@ -27,3 +34,43 @@ def test_missing_list_missing_jar_or_another_delta_version_fall_back_to_ivy(tmp_
     old = tmp_path / "old.txt"
     old.write_text(_jar(tmp_path, f"{DELTA_JAR.split(':')[1]}-3.0.0.jar"))
     assert resolved_jars(old) is None
+
+
+def test_the_class_archive_is_used_when_there_and_short_lived_flags_only_when_asked(tmp_path):
+    archive = tmp_path / "spark-classes.jsa"
+    plain = driver_java_options(archive=archive)
+    assert "SharedArchiveFile" not in plain and SHORT_LIVED_JVM not in plain
+    assert "-Xlog:all=warning:stderr" in plain  # stdout stays the job's JSON
+    archive.write_bytes(b"x")
+    assert f"-XX:SharedArchiveFile={archive}" in driver_java_options(archive=archive)
+    assert driver_java_options(True, archive).endswith(SHORT_LIVED_JVM)
+
+
+def test_a_truncated_class_archive_is_never_installed(tmp_path):
+    # A JVM given a truncated archive dies of SIGBUS: the builder must catch it.
+    made = tmp_path / "small.jsa"
+    subprocess.run([build_class_archive.java(), f"-XX:ArchiveClassesAtExit={made}", "-version"],
+                   check=True, capture_output=True)
+    assert build_class_archive.loads(made)
+    cut = tmp_path / "cut.jsa"
+    cut.write_bytes(made.read_bytes()[:4096])
+    assert not build_class_archive.loads(cut)
+
+
+def test_the_class_archive_is_rebuilt_when_older_than_the_jars(tmp_path, monkeypatch):
+    jars = tmp_path / "spark-jars.txt"
+    jars.write_text("a.jar")
+    archive = tmp_path / "spark-classes.jsa"
+    monkeypatch.setattr(build_class_archive, "JAR_LIST", jars)
+    assert not build_class_archive.up_to_date(archive)
+    archive.write_bytes(b"x")
+    os.utime(jars, (1, 1))
+    os.utime(archive, (2, 2))
+    assert not build_class_archive.up_to_date(archive)  # pyspark's jars are newer still
+    import pyspark
+    pyspark_jars = Path(pyspark.__file__).parent / "jars"
+    newest = max(pyspark_jars.stat().st_mtime, 3)
+    os.utime(archive, (newest + 1, newest + 1))
+    assert build_class_archive.up_to_date(archive)
+    os.utime(jars, (newest + 2, newest + 2))  # `make setup` resolved other jars
+    assert not build_class_archive.up_to_date(archive)
