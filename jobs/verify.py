@@ -125,23 +125,30 @@ def _read(spark: SparkSession, path: str, schema, version: int | None = None) ->
 
 def _with_versions(spark: SparkSession, path: str, schema, upto: int,
                    notes: list[str]) -> DataFrame:
-    """Every row inserted up to version `upto`, with its `cv` (commit version).
+    """Every row inserted up to version `upto`, with its `cv` (commit version)
+    and `dated` (whether `cv` is known).
 
-    When the log no longer reaches back to version 0 (producer log retention),
-    the commit version of older rows is lost; they are dated version 0, so
-    they count as read by the first run. That is exact for every rule except
-    "late after a discard" between two such old rows, and the report says so.
+    When the log no longer reaches back to version 0 (producer log retention,
+    or the producers trimming it behind the job's cursor), the commit version
+    of older rows is lost: they are dated version 0 (read by the first run)
+    with `dated` false. Their relative commit order then cannot be recomputed;
+    where it matters (which of two such OPs won, queue order among such
+    messages, the winner's version) the audit takes the job's record, and
+    checks everything else. The report says so.
     """
     if upto < 0 or not state.is_delta(path):
-        return spark.createDataFrame([], schema).withColumn("cv", F.lit(None).cast("bigint"))
+        return (spark.createDataFrame([], schema).withColumn("cv", F.lit(None).cast("bigint"))
+                .withColumn("dated", F.lit(True)))
     if _log_holds(spark, path, 0):
         return (spark.read.format("delta").option("readChangeFeed", "true")
                 .option("startingVersion", 0).option("endingVersion", upto).load(path)
                 .where(F.col("_change_type") == "insert")
                 .withColumnRenamed("_commit_version", "cv")
-                .drop("_change_type", "_commit_timestamp"))
+                .drop("_change_type", "_commit_timestamp")
+                .withColumn("dated", F.lit(True)))
     notes.append(f"{path}: the log no longer holds version 0; rows older than the "
-                 f"log are dated 0 (read by the first run)")
+                 f"log are dated 0 (read by the first run), and their commit order is "
+                 f"taken from the job's records")
     snap = spark.read.format("delta").option("versionAsOf", upto).load(path)
     known = spark.sql(f"DESCRIBE HISTORY delta.`{path}`").agg(F.min("version")).first()[0]
     dated = (spark.read.format("delta").option("readChangeFeed", "true")
@@ -149,7 +156,8 @@ def _with_versions(spark: SparkSession, path: str, schema, upto: int,
              .where(F.col("_change_type") == "insert")
              .select(*[F.col(c) for c in snap.columns], F.col("_commit_version").alias("cv")))
     old = snap.join(dated.select(*snap.columns[:1]), snap.columns[:1], "left_anti")
-    return old.withColumn("cv", F.lit(0).cast("bigint")).unionByName(dated)
+    return (old.withColumn("cv", F.lit(0).cast("bigint")).withColumn("dated", F.lit(False))
+            .unionByName(dated.withColumn("dated", F.lit(True))))
 
 
 def _newer_rows(spark: SparkSession, path: str, judged_rows: int) -> int:
@@ -377,12 +385,19 @@ def verify(spark: SparkSession, config) -> VerifyReport:
     o = (o.withColumn("valid", F.coalesce(valid, F.lit(False)))
          .withColumn("late", F.col("valid") & F.coalesce(late, F.lit(False)))
          .withColumn("eligible", F.col("valid") & ~F.col("late"))).cache()
-    first = Window.partitionBy("half_offset").orderBy("cv", "op_offset")
+    # Among OPs older than the log, the job's recorded winner goes first.
+    job_pick = (resolved.dropDuplicates(["half_offset", "op_offset"])
+                .select("half_offset", "op_offset", F.lit(0).alias("job_pick")))
+    o = (o.join(job_pick, ["half_offset", "op_offset"], "left")
+         .withColumn("job_pick", F.when(F.col("dated"), 1)
+                     .otherwise(F.coalesce(F.col("job_pick"), F.lit(1)))))
+    first = Window.partitionBy("half_offset").orderBy("cv", "job_pick", "op_offset")
     winners = (o.where("eligible").withColumn("_n", F.row_number().over(first))
                .where("_n = 1")
                .select("half_offset", F.col("op_offset").alias("w_op_offset"),
                        F.col("action").alias("w_action"), F.col("source").alias("w_source"),
-                       F.col("cv").alias("w_cv"), F.col("store_ms").alias("w_store_ms"),
+                       F.col("cv").alias("w_cv"), F.col("dated").alias("w_dated"),
+                       F.col("store_ms").alias("w_store_ms"),
                        F.col("d_op_version").isNotNull().alias("w_after_discard"),
                        (F.col("d_op_version").isNotNull()
                         & (F.col("cv") <= F.col("d_op_version"))).alias("w_before_discard")))
@@ -397,9 +412,14 @@ def verify(spark: SparkSession, config) -> VerifyReport:
                         .when(F.col("n_discards") > 0, F.lit(DISCARDED))
                         .otherwise(F.lit(PENDING_FATE)))).cache()
     # Expected queue offsets: per (topic, queue_id), dense, in the winners' commit order.
-    qorder = Window.partitionBy("topic", "queue_id").orderBy("w_cv", "w_op_offset")
+    # Among winners older than the log, the job's queue order is taken.
+    found_at = delivered_rows.groupBy("half_offset").agg(F.min("queue_offset").alias("found_at"))
+    qorder = Window.partitionBy("topic", "queue_id").orderBy("w_cv", "undated_at", "w_op_offset")
     expected_delivered = (fate.where(F.col("fate") == DELIVERED)
-                          .withColumn("exp_queue_offset", F.row_number().over(qorder) - 1))
+                          .join(found_at, "half_offset", "left")
+                          .withColumn("undated_at", F.when(~F.col("w_dated"), F.col("found_at")))
+                          .withColumn("exp_queue_offset", F.row_number().over(qorder) - 1)
+                          .drop("found_at", "undated_at"))
 
     # A discard that the run could not have made: the message was already decided.
     diffs.append(_diff(fate.where(F.col("w_before_discard") | (F.col("bad_half")
@@ -513,7 +533,8 @@ def verify(spark: SparkSession, config) -> VerifyReport:
     diffs.append(_diff(rj.where((F.col("action") != F.col("w_action"))
                                 | (F.col("op_offset") != F.col("w_op_offset"))
                                 | (F.col("source") != F.col("w_source"))
-                                | (F.col("op_version") != F.col("w_cv"))),
+                                | ((F.col("op_version") != F.col("w_cv"))
+                                   & F.col("w_dated"))),
                        "resolved_mismatch", RESOLVED.path,
                        F.concat_ws(" ", F.col("w_action"), F.col("w_source"),
                                    F.lit("op_offset"), F.col("w_op_offset").cast("string"),

@@ -21,6 +21,7 @@ from schemas.arrow import arrow_schema
 from txn_core.config import Config
 from txn_core.errors import BrokerClosedError, PersistError
 from txn_core.group_commit import DirectWriter, GroupCommitWriter
+from txn_core.log_trim import job_cursor
 from txn_core.message import Message, validate_group
 from txn_core.offsets import OffsetAllocator, register_epoch
 from txn_core.tables import ensure_broker_tables
@@ -56,10 +57,13 @@ class Broker:
             register_epoch(producers, self.broker_id, clock()),
             lambda: register_epoch(producers, self.broker_id, clock()))
         if group_commit:
-            self._half = GroupCommitWriter(self._tables[HALF.path], arrow_schema(HALF),
-                                           name=HALF.path, clock=clock)
-            self._op = GroupCommitWriter(self._tables[OP.path], arrow_schema(OP),
-                                         name=OP.path, clock=clock)
+            # The log is trimmed behind the job's cursor (txn_core.log_trim).
+            self._half = GroupCommitWriter(
+                self._tables[HALF.path], arrow_schema(HALF), name=HALF.path, clock=clock,
+                log_floor=lambda: job_cursor(warehouse, HALF, storage_options))
+            self._op = GroupCommitWriter(
+                self._tables[OP.path], arrow_schema(OP), name=OP.path, clock=clock,
+                log_floor=lambda: job_cursor(warehouse, OP, storage_options))
         else:  # one commit per call: only for measuring what group commit buys
             self._half = DirectWriter(table_path(warehouse, HALF), arrow_schema(HALF),
                                       name=HALF.path, clock=clock,

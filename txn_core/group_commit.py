@@ -42,6 +42,7 @@ from deltalake import CommitProperties, DeltaTable, PostCommitHookProperties, wr
 from deltalake.exceptions import CommitFailedError
 
 from txn_core.errors import BrokerClosedError, PersistError
+from txn_core.log_trim import trim_log, trimmed_past
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +73,16 @@ class GroupCommitWriter:
     returns a `CommitTicket` whose `result()` is the committed table version.
     Every `compact_every` commits the writer compacts the table (None: never);
     every `log_cleanup_every` commits it drops expired log entries (None:
-    never, e.g. when `maintain` does it).
+    never, e.g. when `maintain` does it) and, when `log_floor` (a callable:
+    the first version anyone still reads, or None) is given, trims the log up
+    to the newest checkpoint at or before that version (`txn_core.log_trim`).
     """
 
     def __init__(self, table: DeltaTable, schema: pa.Schema, *, name: str,
                  clock: Callable[[], int], stamp_column: str | None = "store_ms",
                  max_rows: int = 50_000, compact_every: int | None = COMPACT_EVERY,
-                 log_cleanup_every: int | None = LOG_CLEANUP_EVERY):
+                 log_cleanup_every: int | None = LOG_CLEANUP_EVERY,
+                 log_floor: Callable[[], int | None] | None = None):
         self._table = table
         self._schema = schema
         self._name = name
@@ -87,6 +91,8 @@ class GroupCommitWriter:
         self._max_rows = max_rows
         self._compact_every = compact_every
         self._log_cleanup_every = log_cleanup_every
+        self._log_floor = log_floor
+        self.trimmed_entries = 0
         self.compactions = 0
         self.log_cleanups = 0
         self._commits_since_cleanup = 0
@@ -157,6 +163,8 @@ class GroupCommitWriter:
     def _commit(self, batch: list[tuple[dict, "CommitTicket"]]) -> None:
         try:
             table = self._build(batch)
+            if trimmed_past(self._table):  # idle while others committed and trimmed
+                self._table.update_incremental()
             write_deltalake(self._table, table, mode="append", commit_properties=_COMMIT,
                             post_commithook_properties=_HOOKS)
             self._small_files += table.nbytes < SMALL_FILE_BYTES
@@ -201,8 +209,9 @@ class GroupCommitWriter:
 
     def _clean_log(self) -> None:
         """Drop log entries past the table's logRetentionDuration (up to the
-        last checkpoint), as delta-rs' post-commit hook would, if the table
-        asks for it. Failing is harmless: the next round, or `maintain`, does it."""
+        last checkpoint), as delta-rs' post-commit hook would, and those behind
+        `log_floor`, if the table asks for clean-up. Failing is harmless: the
+        next round, or `maintain`, does it."""
         self._commits_since_cleanup = 0
         try:
             config = self._table.metadata().configuration
@@ -210,6 +219,9 @@ class GroupCommitWriter:
                 return
             self._table.cleanup_metadata()
             self.log_cleanups += 1
+            floor = self._log_floor() if self._log_floor else None
+            if floor is not None:
+                self.trimmed_entries += trim_log(self._table, floor)
         except Exception:  # noqa: BLE001 - a failed cleanup must not stop the writer
             log.warning("log cleanup of %s failed; next round", self._name, exc_info=True)
 

@@ -3,8 +3,9 @@
 Group commit at thousands of messages a second leaves many small files and a
 long log. `maintain` compacts small files (a rewrite with dataChange=false:
 invisible to the change data feed the job reads), writes a checkpoint, drops
-expired log entries, vacuums unreferenced files, and — the only deletion of
-half or OP rows anywhere (I5) — purges messages that the job has resolved
+expired log entries and those behind the job's cursor (`txn_core.log_trim`),
+vacuums unreferenced files, and — the only deletion of half or OP rows
+anywhere (I5) — purges messages that the job has resolved
 (COMMIT or ROLLBACK in `_sys/resolved`) and that are older than
 `reserved_hours`. Run it from any one producer process, e.g. hourly.
 """
@@ -19,6 +20,7 @@ from deltalake.exceptions import CommitFailedError
 
 from schemas import CHECK_ANSWERS, HALF, OP, RESOLVED
 from txn_core.broker import Broker
+from txn_core.log_trim import job_cursor, trim_log
 from txn_core.tables import open_existing
 
 log = logging.getLogger(__name__)
@@ -33,10 +35,12 @@ class MaintenanceReport:
     purged_halves: int = 0
     purged_ops: int = 0
     vacuumed_files: int = 0
+    trimmed_log_entries: int = 0
 
     def to_dict(self) -> dict:
         return {"compacted_files": self.compacted_files, "purged_halves": self.purged_halves,
-                "purged_ops": self.purged_ops, "vacuumed_files": self.vacuumed_files}
+                "purged_ops": self.purged_ops, "vacuumed_files": self.vacuumed_files,
+                "trimmed_log_entries": self.trimmed_log_entries}
 
 
 def maintain(broker: Broker, now_ms: int | None = None, *, purge: bool = True,
@@ -61,6 +65,10 @@ def maintain(broker: Broker, now_ms: int | None = None, *, purge: bool = True,
         dt.update_incremental()
         dt.create_checkpoint()
         dt.cleanup_metadata()
+        if table in (HALF, OP):
+            floor = job_cursor(broker.warehouse, table, broker.storage_options)
+            if floor is not None:
+                report.trimmed_log_entries += trim_log(dt, floor)
         if vacuum:
             report.vacuumed_files += len(dt.vacuum(dry_run=False))
     return report
