@@ -253,3 +253,26 @@ def test_closed_broker_refuses_sends(warehouse):
     b.close()
     with pytest.raises(BrokerClosedError):
         producer.send_message_in_transaction(Message(topic="ORDER", body=b"x"), COMMIT)
+
+
+def test_unique_columns_are_written_without_a_dictionary(producer, warehouse):
+    """Offsets and ids are unique: a dictionary for them is built only to be
+    dropped (txn_core.broker._plain). Repeated values keep theirs."""
+    import pyarrow.parquet as pq
+    producer.send_batch_in_transaction(
+        [Message(topic="ORDER", body=b"same", keys="k") for _ in range(50)], COMMIT)
+
+    def encodings(path: str) -> dict[str, set[str]]:
+        table = DeltaTable(os.path.join(warehouse, path))
+        meta = pq.ParquetFile(table.file_uris()[0].removeprefix("file://")).metadata
+        group = meta.row_group(0)
+        return {group.column(i).path_in_schema: set(group.column(i).encodings)
+                for i in range(group.num_columns)}
+
+    def dictionary(encs: set[str]) -> bool:
+        return bool(encs & {"PLAIN_DICTIONARY", "RLE_DICTIONARY"})
+
+    half, op = encodings("_sys/half"), encodings("_sys/op")
+    assert not any(dictionary(half[c]) for c in ("half_offset", "transaction_id", "msg_id"))
+    assert not any(dictionary(op[c]) for c in ("op_offset", "half_offset", "transaction_id"))
+    assert dictionary(half["topic"]) and dictionary(half["body"]) and dictionary(op["action"])

@@ -14,7 +14,7 @@ import uuid
 from typing import Callable, Mapping, Sequence
 
 import pyarrow.compute as pc
-from deltalake import DeltaTable
+from deltalake import ColumnProperties, DeltaTable, WriterProperties
 
 from schemas import HALF, OP, table_path
 from schemas.arrow import arrow_schema
@@ -34,6 +34,18 @@ SOURCES = ("PRODUCER", "CHECK", "ADMIN")
 
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def _plain(*columns: str) -> WriterProperties:
+    """Parquet without dictionary encoding for `columns`, whose values are
+    unique by construction (offsets, ids): the writer would build a dictionary
+    per column chunk only to drop it. Measured with bench_broker (256 threads,
+    2 KB bodies, 2 pairs, ids plain): per-message 2,224-2,303 msg/s instead of
+    1,891-1,940, batches of 10,000 108,000-110,000 msg/s instead of
+    92,000-99,000; the offsets plain as well were within the noise. Bodies keep
+    parquet's default: repeated bodies pack into a dictionary."""
+    return WriterProperties(column_properties={
+        c: ColumnProperties(dictionary_enabled=False) for c in columns})
 
 
 class Broker:
@@ -60,10 +72,12 @@ class Broker:
             # The log is trimmed behind the job's cursor (txn_core.log_trim).
             self._half = GroupCommitWriter(
                 self._tables[HALF.path], arrow_schema(HALF), name=HALF.path, clock=clock,
-                log_floor=lambda: job_cursor(warehouse, HALF, storage_options))
+                log_floor=lambda: job_cursor(warehouse, HALF, storage_options),
+                writer_properties=_plain("half_offset", "transaction_id", "msg_id"))
             self._op = GroupCommitWriter(
                 self._tables[OP.path], arrow_schema(OP), name=OP.path, clock=clock,
-                log_floor=lambda: job_cursor(warehouse, OP, storage_options))
+                log_floor=lambda: job_cursor(warehouse, OP, storage_options),
+                writer_properties=_plain("op_offset", "half_offset", "transaction_id"))
         else:  # one commit per call: only for measuring what group commit buys
             self._half = DirectWriter(table_path(warehouse, HALF), arrow_schema(HALF),
                                       name=HALF.path, clock=clock,

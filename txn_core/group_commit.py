@@ -38,7 +38,8 @@ from concurrent.futures import Future
 from typing import Callable
 
 import pyarrow as pa
-from deltalake import CommitProperties, DeltaTable, PostCommitHookProperties, write_deltalake
+from deltalake import (CommitProperties, DeltaTable, PostCommitHookProperties, WriterProperties,
+                       write_deltalake)
 from deltalake.exceptions import CommitFailedError
 
 from txn_core.errors import BrokerClosedError, PersistError
@@ -76,13 +77,15 @@ class GroupCommitWriter:
     never, e.g. when `maintain` does it) and, when `log_floor` (a callable:
     the first version anyone still reads, or None) is given, trims the log up
     to the newest checkpoint at or before that version (`txn_core.log_trim`).
+    `writer_properties` go to every parquet file it writes, compactions included.
     """
 
     def __init__(self, table: DeltaTable, schema: pa.Schema, *, name: str,
                  clock: Callable[[], int], stamp_column: str | None = "store_ms",
                  max_rows: int = 50_000, compact_every: int | None = COMPACT_EVERY,
                  log_cleanup_every: int | None = LOG_CLEANUP_EVERY,
-                 log_floor: Callable[[], int | None] | None = None):
+                 log_floor: Callable[[], int | None] | None = None,
+                 writer_properties: WriterProperties | None = None):
         self._table = table
         self._schema = schema
         self._name = name
@@ -92,6 +95,7 @@ class GroupCommitWriter:
         self._compact_every = compact_every
         self._log_cleanup_every = log_cleanup_every
         self._log_floor = log_floor
+        self._writer_properties = writer_properties
         self.trimmed_entries = 0
         self.compactions = 0
         self.log_cleanups = 0
@@ -166,7 +170,8 @@ class GroupCommitWriter:
             if trimmed_past(self._table):  # idle while others committed and trimmed
                 self._table.update_incremental()
             write_deltalake(self._table, table, mode="append", commit_properties=_COMMIT,
-                            post_commithook_properties=_HOOKS)
+                            post_commithook_properties=_HOOKS,
+                            writer_properties=self._writer_properties)
             self._small_files += table.nbytes < SMALL_FILE_BYTES
             version = self._table.version()
         except BaseException as exc:  # every waiting sender must hear of it
@@ -201,6 +206,7 @@ class GroupCommitWriter:
         self._small_files = 0
         try:
             self._table.optimize.compact(target_size=COMPACT_TARGET_BYTES,
+                                         writer_properties=self._writer_properties,
                                          commit_properties=_COMMIT)
         except CommitFailedError as exc:
             log.info("compaction of %s lost a race (%s); next round", self._name, exc)
