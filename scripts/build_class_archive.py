@@ -112,7 +112,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if up_to_date() and not args.force:
         return 0
-    print(f"building {build().relative_to(REPO)} (JVM class archive: faster Spark starts)")
+    try:
+        built = build()
+    except Exception as exc:  # noqa: BLE001 - only a speed-up: set-up goes on without it
+        print(f"could not build the JVM class archive ({exc}); Spark starts without it",
+              file=sys.stderr)
+        return 0
+    print(f"built {built.relative_to(REPO)} (JVM class archive: faster Spark starts)")
     return 0
 
 
