@@ -556,7 +556,7 @@ def _cmd_run(args, cfg: Config) -> int:
     try:
         # A run with nothing to do writes one row: a JVM tuned to start fast
         # (see build_spark) saves seconds of it. Any full run gets the default.
-        spark = _spark(short_lived=not args.dry_run and idle_ahead(cfg, args.now_ms))
+        spark = _spark(short_lived=not args.dry_run and _predict_idle(cfg, args.now_ms))
         summary = reconcile(spark, cfg, args.now_ms, dry_run=args.dry_run, lease=lease)
     except InjectedFault:
         crashed = True
@@ -566,6 +566,15 @@ def _cmd_run(args, cfg: Config) -> int:
             lease.release()
     print(summary.to_json(), flush=True)
     return EXIT_OK
+
+
+def _predict_idle(cfg: Config, now_ms: int | None) -> bool:
+    """`idle_ahead`, or False when the tables cannot tell: the prediction only
+    picks the JVM's options, and the run itself reports any real problem."""
+    try:
+        return idle_ahead(cfg, now_ms)
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _cmd_status(args, cfg: Config) -> int:

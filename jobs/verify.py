@@ -134,7 +134,8 @@ def _with_versions(spark: SparkSession, path: str, schema, upto: int,
     with `dated` false. Their relative commit order then cannot be recomputed;
     where it matters (which of two such OPs won, queue order among such
     messages, the winner's version) the audit takes the job's record, and
-    checks everything else. The report says so.
+    checks everything else; "late after a discard" between two such rows
+    stays approximate (both count as read by the first run). The report says so.
     """
     if upto < 0 or not state.is_delta(path):
         return (spark.createDataFrame([], schema).withColumn("cv", F.lit(None).cast("bigint"))
