@@ -230,32 +230,12 @@ class RunRecord(InputVersions):
 
 
 def last_run(warehouse: str) -> RunRecord | None:
-    """The latest run: its COMMITTED record, or its STARTED one if it never finished.
-
-    Read with delta-rs (see `latest_version`). The files' statistics give the
-    highest run_number and prune the scan to the files that may hold it: the
-    cost stays flat while `_sys/runs` grows by a row or two every run.
-    """
-    from deltalake import DeltaTable as RsTable
-    from deltalake.exceptions import TableNotFoundError
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    try:
-        table = RsTable(table_path(warehouse, RUNS))
-    except TableNotFoundError:
+    """The latest run: its COMMITTED record, or its STARTED one if it never
+    finished. Read with delta-rs (see `latest_version`)."""
+    from txn_core.tables import latest_run_rows
+    rows = latest_run_rows(warehouse)
+    if not rows:
         return None
-    files = pa.table(table.get_add_actions(flatten=True))
-    if files.num_rows == 0:
-        return None
-    if "max.run_number" in files.column_names and files["max.run_number"].null_count == 0:
-        top = pc.max(files["max.run_number"]).as_py()
-        runs = table.to_pyarrow_dataset(file_pruning_predicate=[("run_number", "=", top)])
-    else:  # files without statistics: read the column
-        runs = table.to_pyarrow_dataset()
-        top = pc.max(runs.to_table(columns=["run_number"])["run_number"]).as_py()
-    if top is None:
-        return None
-    rows = runs.to_table(filter=pc.field("run_number") == top).to_pylist()
     rows.sort(key=lambda r: r["status"] != COMMITTED)
     return RunRecord.from_row(rows[0])
 

@@ -20,12 +20,10 @@ import os
 import re
 from urllib.parse import unquote, urlparse
 
-import pyarrow as pa
-import pyarrow.compute as pc
 from deltalake import DeltaTable
-from deltalake.exceptions import TableNotFoundError
 
-from schemas import HALF, OP, RUNS, TableSchema, table_path
+from schemas import HALF, OP, TableSchema
+from txn_core.tables import latest_run_rows
 
 _CHECKPOINT = re.compile(r"^(\d{20})\.checkpoint(\.\d{10}\.\d{10})?\.parquet$")
 _ENTRY = re.compile(r"^(\d{20})\.(json|crc|checkpoint(\.\d{10}\.\d{10})?\.parquet)$")
@@ -38,22 +36,8 @@ def job_cursor(warehouse: str, table: TableSchema,
     """The first version of `table` (half or OP) the job may still read, or
     None when the job has not run yet."""
     column = _CURSOR[table.path]
-    try:
-        runs = DeltaTable(table_path(warehouse, RUNS), storage_options=storage_options)
-    except TableNotFoundError:
-        return None
-    files = pa.table(runs.get_add_actions(flatten=True))
-    if files.num_rows == 0:
-        return None
-    dataset = runs.to_pyarrow_dataset()
-    if "max.run_number" in files.column_names and files["max.run_number"].null_count == 0:
-        top = pc.max(files["max.run_number"]).as_py()  # file statistics: no full scan
-    else:
-        top = pc.max(dataset.to_table(columns=["run_number"])["run_number"]).as_py()
-    latest = dataset.to_table(columns=[column], filter=pc.field("run_number") == top)
-    if latest.num_rows == 0:
-        return None
-    return pc.min(latest[column]).as_py() + 1
+    rows = latest_run_rows(warehouse, [column], storage_options)
+    return min(r[column] for r in rows) + 1 if rows else None
 
 
 def local_dir(table: DeltaTable) -> str | None:

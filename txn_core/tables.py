@@ -11,10 +11,11 @@ from __future__ import annotations
 import time
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError, TableNotFoundError
 
-from schemas import CHECK_ANSWERS, HALF, LEASE, OP, PRODUCERS, TableSchema, table_path
+from schemas import CHECK_ANSWERS, HALF, LEASE, OP, PRODUCERS, RUNS, TableSchema, table_path
 from schemas.arrow import arrow_schema
 
 BROKER_TABLES = (HALF, OP, CHECK_ANSWERS, PRODUCERS)
@@ -80,6 +81,33 @@ def lease_table(warehouse: str, storage_options: dict[str, str] | None = None) -
     """The job's lease table, written through delta-rs (put-if-absent commits)."""
     return open_or_create(warehouse, LEASE, configuration={"delta.checkpointInterval": "50"},
                           storage_options=storage_options)
+
+
+def latest_run_rows(warehouse: str, columns: list[str] | None = None,
+                    storage_options: dict[str, str] | None = None) -> list[dict]:
+    """The `_sys/runs` rows (STARTED and/or COMMITTED) of the highest run
+    number, read with delta-rs; [] before the job's first run.
+
+    The files' statistics give the highest run_number and prune the scan to
+    the files that may hold it: the cost stays flat while `_sys/runs` grows
+    by a row or two every run.
+    """
+    try:
+        table = DeltaTable(table_path(warehouse, RUNS), storage_options=storage_options)
+    except TableNotFoundError:
+        return []
+    files = pa.table(table.get_add_actions(flatten=True))
+    if files.num_rows == 0:
+        return []
+    if "max.run_number" in files.column_names and files["max.run_number"].null_count == 0:
+        top = pc.max(files["max.run_number"]).as_py()
+        runs = table.to_pyarrow_dataset(file_pruning_predicate=[("run_number", "=", top)])
+    else:  # files without statistics: read the column
+        runs = table.to_pyarrow_dataset()
+        top = pc.max(runs.to_table(columns=["run_number"])["run_number"]).as_py()
+    if top is None:
+        return []
+    return runs.to_table(columns=columns, filter=pc.field("run_number") == top).to_pylist()
 
 
 def empty(table: TableSchema) -> pa.Table:
