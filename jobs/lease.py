@@ -7,14 +7,20 @@ one commits; the other gets `CommitFailedError` and backs off. A lease held
 by a crashed run expires after `lease_ttl_s` of wall-clock time (never
 `now_ms`, which a run may set to any instant), or at once when its holder
 ran on this host and its process is gone.
+
+While a run works, a background thread renews its lease (`renewed`), and
+the run checks it before each write (`keep_alive`): a run that stalls or
+loses its storage long enough for another to take over stops writing.
 """
 from __future__ import annotations
 
 import os
 import socket
+import logging
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,6 +33,8 @@ from schemas.arrow import arrow_schema
 from txn_core.tables import lease_table
 
 EXIT_LEASE_HELD = 75
+
+log = logging.getLogger(__name__)
 
 
 class LeaseHeld(RuntimeError):
@@ -56,6 +64,8 @@ class Lease:
         self.storage_options = storage_options
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
         self.held = False
+        #: why the lease was lost while held (every later keep_alive raises it)
+        self.lost: str | None = None
         self._renewed_ms = 0
         self._renewing = threading.Lock()  # the run's output writes renew from several threads
 
@@ -98,9 +108,20 @@ class Lease:
         return self
 
     def keep_alive(self) -> None:
-        """Renew once a third of the ttl has passed; fail if the lease was taken over."""
+        """Renew once a third of the ttl has passed; raise LeaseLost if the
+        lease was taken over or could not be renewed (now or earlier).
+
+        Right after it returns, the lease is this holder's for at least two
+        thirds of the ttl: the moment to start a write.
+        """
         with self._renewing:
-            self._keep_alive()
+            if self.lost is not None:
+                raise LeaseLost(self.lost)
+            try:
+                self._keep_alive()
+            except LeaseLost as exc:
+                self.lost = str(exc)
+                raise
 
     def _keep_alive(self) -> None:
         if not self.held or self._now_ms() - self._renewed_ms < self.ttl_ms // 3:
@@ -109,13 +130,41 @@ class Lease:
         if row is None or row.holder != self.holder:
             self.held = False
             raise LeaseLost(f"the job's lease was taken over by {row.holder if row else 'nobody'}"
-                            " while this run was writing; its intent will be redone")
+                            " while this run was working; its intent will be redone")
         try:
             self._write(table, "RENEW", self._now_ms() + self.ttl_ms)
         except (CommitFailedError, DeltaError) as exc:
             self.held = False
             raise LeaseLost(f"lost the job's lease while renewing it: {exc}") from exc
         self._renewed_ms = self._now_ms()
+
+    @contextmanager
+    def renewed(self, every_s: float | None = None):
+        """Renew the lease in the background while the block runs (every
+        sixth of the ttl by default; `keep_alive` renews once a third has
+        passed), so a long computation between writes keeps it. A failed
+        renewal is kept in `lost`: the run's next `keep_alive` raises it.
+        """
+        stop = threading.Event()
+        interval = every_s if every_s is not None else max(self.ttl_ms / 6000, 0.5)
+
+        def beat() -> None:
+            while not stop.wait(interval):
+                try:
+                    self.keep_alive()
+                except LeaseLost as exc:
+                    log.warning("%s", exc)
+                    return
+                except Exception as exc:  # noqa: BLE001 - reading the lease failed: retry
+                    log.warning("renewing the job's lease failed (%s); retrying", exc)
+
+        thread = threading.Thread(target=beat, name="lease-renewal", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            thread.join()
 
     def release(self) -> None:
         if not self.held:

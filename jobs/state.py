@@ -1,5 +1,6 @@
 """The job's tables: creating them, their versions, reading inputs by version,
-idempotent writes, and the run records of `_sys/runs` (intent and commit).
+writes tagged with their run (skipped when a redo finds them done), and the
+run records of `_sys/runs` (intent and commit).
 
 Cursors are table versions (DESIGN-NOTES): a run reads the producer tables'
 change data feed between the previous run's versions and the ones pinned in
@@ -161,14 +162,65 @@ def compact_job_tables(spark: SparkSession, warehouse: str) -> dict[str, int]:
     return removed
 
 
-def write_idempotent(df: DataFrame, path: str, run_number: int, app: str, *,
-                     mode: str = "append") -> None:
-    """Write `df` once per run: a redo of the same run number is skipped by
-    Delta itself (txnAppId/txnVersion are committed with the data)."""
+def run_tag(run_number: int, app: str) -> str:
+    """The tag a run's commit carries in its commitInfo (`userMetadata`)."""
+    return json.dumps({"txn_reconcile_run": run_number, "table": app}, sort_keys=True)
+
+
+def _read_tag(user_metadata: str | None) -> tuple[int, str] | None:
+    try:
+        tag = json.loads(user_metadata or "")
+        return int(tag["txn_reconcile_run"]), str(tag["table"])
+    except (ValueError, TypeError, KeyError):
+        return None  # not a commit of the job's writes (creation, compaction, an operator's)
+
+
+def write_for_run(df: DataFrame, path: str, run_number: int, app: str, *,
+                  mode: str = "append", redo: bool = False) -> bool:
+    """Write `df` as run `run_number`'s commit to `path`, tagged with the run
+    (`run_tag`). On a redo, skip the write when the crashed attempt already
+    committed it (`committed_by_run`). Returns whether it wrote.
+
+    Why tags, not Delta's txnAppId/txnVersion: Delta checks those against
+    the table's whole reconstructed state, a Spark job per table written —
+    about 1 s each on 2 cores, most of a small run's time — while the tag is
+    needed only on a redo, where reading the last commits' commitInfo with
+    delta-rs takes milliseconds. A first attempt cannot find its own commit,
+    and two attempts never write at once: the run holds the lease and checks
+    it before each write (`jobs.lease`).
+    """
+    if redo and committed_by_run(path, run_number, app):
+        return False
     (df.write.format("delta").mode(mode)
-     .option("txnAppId", f"reconcile:{app}")
-     .option("txnVersion", run_number)
+     .option("userMetadata", run_tag(run_number, app))
      .save(path))
+    return True
+
+
+def committed_by_run(path: str, run_number: int, app: str) -> bool:
+    """Whether run `run_number` committed its write of `app` to the table.
+
+    Walks the log back from the newest commit and stops at the first commit
+    tagged by an earlier run: runs write one after another, so a commit of
+    this run can only come after it. Untagged commits (creation, compaction,
+    an operator's DELETE or OPTIMIZE) are stepped over.
+    """
+    from deltalake import DeltaTable as RsTable
+    if not is_delta(path):
+        return False
+    for limit in (16, None):
+        commits = RsTable(path).history(limit)
+        for commit in commits:  # newest first
+            tag = _read_tag(commit.get("userMetadata"))
+            if tag is None:
+                continue
+            if tag[0] < run_number:
+                return False
+            if tag == (run_number, app):
+                return True
+        if limit is None or len(commits) < limit:
+            return False
+    return False
 
 
 def ensure_topic_table(spark: SparkSession, warehouse: str, topic: str) -> str:
@@ -240,20 +292,16 @@ def last_run(warehouse: str) -> RunRecord | None:
     return RunRecord.from_row(rows[0])
 
 
-def write_run_record(spark: SparkSession, warehouse: str, record: RunRecord, *,
-                     idempotent: bool = True) -> None:
-    """Append one row to `_sys/runs`.
+def write_run_record(spark: SparkSession, warehouse: str, record: RunRecord) -> None:
+    """Append one row to `_sys/runs`, tagged like the run's other commits.
 
-    `idempotent=False` is for an idle run's only write: with no redo there is
-    nothing to deduplicate, and Delta's txnAppId check would rebuild the
-    table's whole state — about half of an idle run's time on a cold JVM.
+    Never a redo: a run's STARTED row is written once (a crash after it makes
+    the next invocation redo that run, not write it again), and once its
+    COMMITTED row is in, the run is not redone.
     """
     df = spark.createDataFrame([record.to_row()], spark_schema(RUNS))
-    path = table_path(warehouse, RUNS)
-    if idempotent:
-        write_idempotent(df, path, record.run_number, f"{RUNS.path}:{record.status}")
-    else:
-        df.write.format("delta").mode("append").save(path)
+    write_for_run(df, table_path(warehouse, RUNS), record.run_number,
+                  f"{RUNS.path}:{record.status}")
 
 
 def input_paths(warehouse: str) -> dict[str, str]:

@@ -17,6 +17,7 @@ from txn_core.log_trim import job_cursor
 from txn_core.maintenance import maintain
 from txn_core.tables import PRODUCER_TABLE_CONFIG, open_or_create
 
+import factories as fx
 from test_group_commit import STORE_MS, op_rows
 
 #: a checkpoint every 5 commits, and a time-based retention that drops nothing
@@ -93,6 +94,14 @@ def test_the_job_reads_on_and_verifies_after_producers_trimmed_behind_its_cursor
     for table in (HALF, OP):
         open_or_create(warehouse, table, configuration=EVERY_5)
     broker = Broker.open(warehouse)
+    # Two processes' OPs for one message, committed out of op_offset order:
+    # the ROLLBACK (higher offset) first, then the COMMIT. The job takes the
+    # first in commit order; once the log no longer dates them, verify must
+    # follow the job's pick, not the op_offset order.
+    x = fx.half(1, store_ms=broker.clock(), topic="T")
+    fx.write_halves(warehouse, x)
+    fx.write_ops(warehouse, fx.op(x, "ROLLBACK", op_offset=2_000))
+    fx.write_ops(warehouse, fx.op(x, "COMMIT", op_offset=1_000))
     producer = TransactionProducer(broker, "g", CommitAll())
 
     def send(n: int) -> None:
@@ -103,7 +112,7 @@ def test_the_job_reads_on_and_verifies_after_producers_trimmed_behind_its_cursor
     cfg = {"warehouse": warehouse}
     now = broker.clock() + 1000
     first = reconcile(spark, cfg, now_ms=now)
-    assert first.committed == 12
+    assert (first.committed, first.rolled_back, first.conflicting_ops) == (12, 1, 1)
     # The first run read from version 0 and is the latest: nothing may go yet.
     assert job_cursor(warehouse, HALF) == 0
     assert maintain(broker, purge=False, vacuum=False).trimmed_log_entries == 0
@@ -112,7 +121,7 @@ def test_the_job_reads_on_and_verifies_after_producers_trimmed_behind_its_cursor
     assert job_cursor(warehouse, OP) == first.op_version + 1
     assert maintain(broker, purge=False, vacuum=False).trimmed_log_entries > 0
     assert "00000000000000000000.json" not in entries(table_path(warehouse, HALF))
-    assert "00000000000000000000.json" not in entries(table_path(warehouse, OP))
+    assert "00000000000000000002.json" not in entries(table_path(warehouse, OP))  # x's OPs
 
     send(3)
     assert reconcile(spark, cfg, now_ms=now + 1).committed == 3

@@ -133,3 +133,22 @@ def test_process_killed_mid_run_is_redone_by_the_next_process(base, baseline, tm
     tables = outputs(wh)
     tables["_sys/runs"] = [r for r in tables["_sys/runs"] if "('run_number', 2)" not in r]
     assert tables == clean_tables
+
+
+def test_a_redo_finds_the_tagged_commit_of_its_run_past_untagged_ones(spark, tmp_path):
+    from deltalake import write_deltalake
+
+    from jobs import state
+    path = str(tmp_path / "t")
+    rows = spark.createDataFrame([(1,)], "x int")
+    assert not state.committed_by_run(path, 7, "t")  # no table yet
+    assert state.write_for_run(rows, path, 6, "t")
+    assert state.write_for_run(rows, path, 7, "other")
+    assert state.write_for_run(rows, path, 7, "t")
+    write_deltalake(path, DeltaTable(path).to_pyarrow_table().slice(0, 1), mode="append")
+    assert state.committed_by_run(path, 7, "t")  # the operator's append is stepped over
+    assert not state.committed_by_run(path, 8, "t")  # a later run never wrote
+    # a redo skips what its run wrote, and writes what it did not
+    assert not state.write_for_run(rows, path, 7, "t", redo=True)
+    assert state.write_for_run(rows, path, 8, "t", redo=True)
+    assert DeltaTable(path).to_pyarrow_table().num_rows == 5

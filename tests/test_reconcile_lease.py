@@ -11,9 +11,9 @@ from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
 import factories as fx
-from jobs.lease import Lease, LeaseHeld
+from jobs.lease import Lease, LeaseHeld, LeaseLost
 from jobs.reconcile import main, reconcile
-from schemas import HALF, table_path
+from schemas import HALF, RUNS, table_path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,13 +50,44 @@ def test_of_two_runners_reading_the_same_version_only_one_commits(warehouse):
 
 
 def test_renewal_fails_once_another_run_took_over(warehouse):
-    from jobs.lease import LeaseLost
     now = [1000.0]
     mine = Lease(warehouse, ttl_s=30, clock=lambda: now[0]).acquire()
     now[0] += 31
     Lease(warehouse, ttl_s=30, clock=lambda: now[0]).acquire()
     with pytest.raises(LeaseLost):
         mine.keep_alive()
+
+
+def _until(condition, seconds: float = 10.0) -> None:
+    """Wait for the renewal thread (a bounded poll: time itself is injected)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the renewal thread did not act"
+        time.sleep(0.01)
+
+
+def test_a_working_run_renews_its_lease_in_the_background_until_it_is_taken_over(warehouse):
+    now = [1000.0]
+    mine = Lease(warehouse, ttl_s=30, clock=lambda: now[0]).acquire()
+    with mine.renewed(every_s=0.01):
+        now[0] += 11  # a third of the ttl has passed: the thread renews, until 1041
+        _until(lambda: mine.current().action == "RENEW")
+    assert mine.current().expires_ms == 1_041_000
+    now[0] += 31  # the run stalls past the expiry, and another run takes over
+    Lease(warehouse, ttl_s=30, clock=lambda: now[0]).acquire()
+    with mine.renewed(every_s=0.01):
+        _until(lambda: mine.lost is not None)
+    with pytest.raises(LeaseLost, match="taken over"):
+        mine.keep_alive()  # and every later write stops
+
+
+def test_a_run_whose_lease_was_lost_writes_nothing(spark, warehouse):
+    fx.write_halves(warehouse, fx.half(store_ms=0))
+    lease = Lease(warehouse, ttl_s=600).acquire()
+    lease.lost = "taken over (simulated)"
+    with pytest.raises(LeaseLost):
+        reconcile(spark, {"warehouse": warehouse}, now_ms=10**9, lease=lease)
+    assert DeltaTable(table_path(warehouse, RUNS)).version() == 0  # created, never written
 
 
 def test_overlapping_run_raises_lease_held_and_changes_no_table(spark, warehouse):
