@@ -203,13 +203,19 @@ def committed_by_run(path: str, run_number: int, app: str) -> bool:
     Walks the log back from the newest commit and stops at the first commit
     tagged by an earlier run: runs write one after another, so a commit of
     this run can only come after it. Untagged commits (creation, compaction,
-    an operator's DELETE or OPTIMIZE) are stepped over.
+    an operator's DELETE or OPTIMIZE) are stepped over. A run that crashed
+    under a job version before the tags left Delta's idempotent-write record
+    (txnAppId `reconcile:<app>`) instead: that counts too.
     """
     from deltalake import DeltaTable as RsTable
     if not is_delta(path):
         return False
+    table = RsTable(path)
+    legacy = table.transaction_version(f"reconcile:{app}")
+    if legacy is not None and legacy >= run_number:
+        return True
     for limit in (16, None):
-        commits = RsTable(path).history(limit)
+        commits = table.history(limit)
         for commit in commits:  # newest first
             tag = _read_tag(commit.get("userMetadata"))
             if tag is None:

@@ -152,3 +152,8 @@ def test_a_redo_finds_the_tagged_commit_of_its_run_past_untagged_ones(spark, tmp
     assert not state.write_for_run(rows, path, 7, "t", redo=True)
     assert state.write_for_run(rows, path, 8, "t", redo=True)
     assert DeltaTable(path).to_pyarrow_table().num_rows == 5
+    # a run that crashed under the job before the tags: Delta's txnAppId record
+    (rows.write.format("delta").mode("append").option("txnAppId", "reconcile:legacy")
+     .option("txnVersion", 9).save(path))
+    assert state.committed_by_run(path, 9, "legacy")
+    assert not state.committed_by_run(path, 10, "legacy")
