@@ -14,9 +14,9 @@ loses its storage long enough for another to take over stops writing.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
-import logging
 import threading
 import time
 import uuid
