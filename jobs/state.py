@@ -110,7 +110,8 @@ def snapshot(spark: SparkSession, path: str, table: TableSchema, version: int) -
     return spark.read.format("delta").option("versionAsOf", version).load(path)
 
 
-def _log_holds(spark: SparkSession, path: str, version: int) -> bool:
+def log_holds(spark: SparkSession, path: str, version: int) -> bool:
+    """Whether the table's log still has the commit of `version` (Hadoop FS: any storage)."""
     jvm = spark.sparkContext._jvm
     log_file = jvm.org.apache.hadoop.fs.Path(f"{path.rstrip('/')}/_delta_log/{version:020d}.json")
     fs = log_file.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
@@ -128,7 +129,7 @@ def added_rows(spark: SparkSession, path: str, table: TableSchema,
     """
     if upto <= after:
         return empty(spark, table, with_commit_version=True)
-    if not _log_holds(spark, path, after + 1):
+    if not log_holds(spark, path, after + 1):
         raise HistoryGoneError(
             f"the Delta log of {path} no longer holds version {after + 1}, where the job's "
             f"cursor stands (cleaned up after the table's logRetentionDuration); the job "
@@ -208,25 +209,36 @@ def committed_by_run(path: str, run_number: int, app: str) -> bool:
     (txnAppId `reconcile:<app>`) instead: that counts too.
     """
     from deltalake import DeltaTable as RsTable
-    if not is_delta(path):
+    from deltalake.exceptions import TableNotFoundError
+    try:
+        table = RsTable(path)
+    except TableNotFoundError:
         return False
-    table = RsTable(path)
     legacy = table.transaction_version(f"reconcile:{app}")
     if legacy is not None and legacy >= run_number:
         return True
-    for limit in (16, None):
-        commits = table.history(limit)
-        for commit in commits:  # newest first
-            tag = _read_tag(commit.get("userMetadata"))
-            if tag is None:
-                continue
-            if tag[0] < run_number:
-                return False
-            if tag == (run_number, app):
-                return True
-        if limit is None or len(commits) < limit:
+    recent = table.history(RECENT_COMMITS)
+    found = _tagged(recent, run_number, app)
+    if found is None and len(recent) == RECENT_COMMITS:  # not decided yet: read them all
+        found = _tagged(table.history(), run_number, app)
+    return bool(found)
+
+
+#: commits `committed_by_run` reads first (one run writes a table once, plus
+#: the odd compaction), before the table's whole history
+RECENT_COMMITS = 16
+
+
+def _tagged(commits: list[dict], run_number: int, app: str) -> bool | None:
+    """True: `commits` (newest first) hold the run's commit of `app`; False:
+    they reach an earlier run's commit first; None: neither."""
+    for commit in commits:
+        tag = _read_tag(commit.get("userMetadata"))
+        if tag == (run_number, app):
+            return True
+        if tag is not None and tag[0] < run_number:
             return False
-    return False
+    return None
 
 
 def ensure_topic_table(spark: SparkSession, warehouse: str, topic: str) -> str:

@@ -140,7 +140,7 @@ def _with_versions(spark: SparkSession, path: str, schema, upto: int,
     if upto < 0 or not state.is_delta(path):
         return (spark.createDataFrame([], schema).withColumn("cv", F.lit(None).cast("bigint"))
                 .withColumn("dated", F.lit(True)))
-    if _log_holds(spark, path, 0):
+    if state.log_holds(spark, path, 0):
         return (spark.read.format("delta").option("readChangeFeed", "true")
                 .option("startingVersion", 0).option("endingVersion", upto).load(path)
                 .where(F.col("_change_type") == "insert")
@@ -166,12 +166,6 @@ def _newer_rows(spark: SparkSession, path: str, judged_rows: int) -> int:
     if not state.is_delta(path):
         return 0
     return max(spark.read.format("delta").load(path).count() - judged_rows, 0)
-
-
-def _log_holds(spark: SparkSession, path: str, version: int) -> bool:
-    jvm = spark.sparkContext._jvm
-    log_file = jvm.org.apache.hadoop.fs.Path(f"{path.rstrip('/')}/_delta_log/{version:020d}.json")
-    return log_file.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()).exists(log_file)
 
 
 def _topics(spark: SparkSession, warehouse: str) -> list[str]:

@@ -152,6 +152,10 @@ def test_a_redo_finds_the_tagged_commit_of_its_run_past_untagged_ones(spark, tmp
     assert not state.write_for_run(rows, path, 7, "t", redo=True)
     assert state.write_for_run(rows, path, 8, "t", redo=True)
     assert DeltaTable(path).to_pyarrow_table().num_rows == 5
+    # beyond the newest commits read first: the whole history is read
+    for _ in range(state.RECENT_COMMITS):
+        write_deltalake(path, DeltaTable(path).to_pyarrow_table().slice(0, 1), mode="append")
+    assert state.committed_by_run(path, 8, "t") and not state.committed_by_run(path, 8, "x")
     # a run that crashed under the job before the tags: Delta's txnAppId record
     (rows.write.format("delta").mode("append").option("txnAppId", "reconcile:legacy")
      .option("txnVersion", 9).save(path))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
 import sys
 import time
@@ -58,25 +59,39 @@ def test_renewal_fails_once_another_run_took_over(warehouse):
         mine.keep_alive()
 
 
-def _until(condition, seconds: float = 10.0) -> None:
-    """Wait for the renewal thread (a bounded poll: time itself is injected)."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "the renewal thread did not act"
-        time.sleep(0.01)
+def _outcomes(lease: Lease) -> queue.Queue:
+    """What the lease's keep_alive calls do, as they happen: "renewed" or the
+    LeaseLost raised (calls with nothing to do are not queued). The test
+    blocks on it for the renewal thread instead of polling."""
+    outcomes: queue.Queue = queue.Queue()
+    keep_alive = lease.keep_alive
+
+    def observed() -> None:
+        before = lease._renewed_ms
+        try:
+            keep_alive()
+        except LeaseLost as exc:
+            outcomes.put(exc)
+            raise
+        if lease._renewed_ms != before:
+            outcomes.put("renewed")
+
+    lease.keep_alive = observed
+    return outcomes
 
 
 def test_a_working_run_renews_its_lease_in_the_background_until_it_is_taken_over(warehouse):
     now = [1000.0]
     mine = Lease(warehouse, ttl_s=30, clock=lambda: now[0]).acquire()
+    outcomes = _outcomes(mine)
     with mine.renewed(every_s=0.01):
         now[0] += 11  # a third of the ttl has passed: the thread renews, until 1041
-        _until(lambda: mine.current().action == "RENEW")
-    assert mine.current().expires_ms == 1_041_000
+        assert outcomes.get(timeout=10) == "renewed"
+    assert mine.current().action == "RENEW" and mine.current().expires_ms == 1_041_000
     now[0] += 31  # the run stalls past the expiry, and another run takes over
     Lease(warehouse, ttl_s=30, clock=lambda: now[0]).acquire()
     with mine.renewed(every_s=0.01):
-        _until(lambda: mine.lost is not None)
+        assert isinstance(outcomes.get(timeout=10), LeaseLost)
     with pytest.raises(LeaseLost, match="taken over"):
         mine.keep_alive()  # and every later write stops
 
