@@ -109,11 +109,16 @@ class Cluster:
                                "--memory", "1g", "--work-dir", str(self.work_dir)])
 
     def state(self) -> dict | None:
+        """The master's status, or None while it is not serving it yet.
+
+        The master's web server listens before all its pages are attached, and
+        for a moment answers /json/ with the HTML of its front page.
+        """
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.master_ui}/json/",
                                         timeout=2) as resp:
                 return json.load(resp)
-        except OSError:
+        except (OSError, ValueError):
             return None
 
     def wait_for_worker(self) -> dict:
