@@ -11,6 +11,9 @@ In one run it measures, at the same concurrency:
   1. the per-message path with group commit (what TransactionProducer does);
   2. the naive design: one Delta commit per half row and one per OP row;
   3. the batch path (send_batch_in_transaction) with --batch-size messages.
+For the group-commit run it also prints where each table's writer thread
+spent the window (`Broker.writer_stats`): inside Delta commits, building
+Arrow columns, compacting, or idle waiting for rows.
 
 "Durable" here means committed to a Delta table on the warehouse's storage
 (the commit file is in _delta_log). RocketMQ's default broker acknowledges
@@ -108,9 +111,11 @@ def run_per_message(args, group_commit: bool, duration: float) -> dict:
     [t.start() for t in threads]
     start.wait()
     began = time.perf_counter()
+    before = broker.writer_stats
     time.sleep(duration)
     stop.set()
     elapsed = time.perf_counter() - began
+    window = {table: stats - before[table] for table, stats in broker.writer_stats.items()}
     # The naive design can leave senders retrying their commit long after the
     # window; they are not waited for (nor counted) beyond a grace period.
     deadline = time.perf_counter() + 30
@@ -131,7 +136,19 @@ def run_per_message(args, group_commit: bool, duration: float) -> dict:
         "max_ms": round((lat[-1] if lat else float("nan")) * 1e3, 1),
         "failures": sum(failures), "half_commits": commits["_sys/half"],
         "op_commits": commits["_sys/op"], "senders_still_committing_after_window": stragglers,
+        **{f"writer {table}": writer_figures(stats, elapsed) for table, stats in window.items()},
     }
+
+
+def writer_figures(stats, elapsed: float) -> dict:
+    """A writer thread's window: commit size and time, and its time by activity."""
+    def share(seconds: float) -> str:
+        return f"{100 * seconds / elapsed:.0f}%"
+    return {"rows_per_commit": round(stats.rows_per_commit, 1),
+            "ms_per_commit": round(stats.ms_per_commit, 1),
+            "in_commit": share(stats.commit_s), "building": share(stats.build_s),
+            "compacting_and_log_cleanup": share(stats.maintenance_s),
+            "idle": share(stats.idle_s)}
 
 
 def run_batches(args) -> dict:

@@ -1,6 +1,7 @@
 """The group-commit writer: tickets, the wake-up chain, failures and log cleanup."""
 import os
 import threading
+import time
 
 import pyarrow as pa
 import pytest
@@ -107,6 +108,29 @@ def test_a_failed_commit_fails_only_its_own_senders(warehouse, monkeypatch):
     assert writer.submit(op_rows([5])).result(10) == 2  # the writer goes on
     writer.close()
     assert sorted(r["op_offset"] for r in changes(warehouse)) == [1, 5]
+
+
+def test_stats_count_committed_rows_and_where_the_time_went(warehouse, monkeypatch):
+    writes = GatedWrites(monkeypatch, failing={3})
+    writer = open_writer(warehouse)
+    before = writer.stats()
+    first = writes.hold_first(writer, [1])
+    held_from = time.perf_counter()
+    queued = [writer.submit(op_rows([o, o + 1])) for o in (10, 20, 30)]  # the second commit
+    with pytest.raises(TimeoutError):
+        first.result(timeout=0.2)  # longer than the real commits of this test take
+    held = time.perf_counter() - held_from
+    writes.release()
+    assert [first.result(10)] + [t.result(10) for t in queued] == [1, 2, 2, 2]
+    with pytest.raises(PersistError):
+        writer.submit(op_rows([99])).result(10)  # the third commit fails
+    writer.close()
+    stats = writer.stats() - before
+    # only committed rows count
+    assert (stats.commits, stats.rows, stats.rows_per_commit) == (2, 7, 3.5)
+    assert stats.commit_s >= held  # the writer was inside the held commit, not idle
+    assert stats.ms_per_commit == pytest.approx(1000 * stats.commit_s / 2)
+    assert min(stats.build_s, stats.maintenance_s, stats.idle_s) >= 0
 
 
 def test_a_sender_that_never_asks_does_not_hold_up_the_others(warehouse, monkeypatch):

@@ -232,6 +232,9 @@ def test_concurrent_sends_share_commits(broker, warehouse):
     counts = broker.commit_counts
     # group commit: far fewer commits than rows, for halves and OPs alike
     assert counts["_sys/half"] < 160 / 2 and counts["_sys/op"] < 160 / 2
+    stats = broker.writer_stats
+    assert [(stats[t].commits, stats[t].rows) for t in ("_sys/half", "_sys/op")] == [
+        (counts["_sys/half"], 160), (counts["_sys/op"], 160)]
     assert len(rows(warehouse, "_sys/half")) == 160 and len(rows(warehouse, "_sys/op")) == 160
 
 

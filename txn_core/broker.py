@@ -20,7 +20,7 @@ from schemas import HALF, OP, table_path
 from schemas.arrow import arrow_schema
 from txn_core.config import Config
 from txn_core.errors import BrokerClosedError, PersistError
-from txn_core.group_commit import DirectWriter, GroupCommitWriter
+from txn_core.group_commit import DirectWriter, GroupCommitWriter, WriterStats
 from txn_core.log_trim import job_cursor
 from txn_core.message import Message, validate_group
 from txn_core.offsets import OffsetAllocator, register_epoch
@@ -224,6 +224,14 @@ class Broker:
     def commit_counts(self) -> dict[str, int]:
         """Delta commits made by the group-commit writers (for benchmarks)."""
         return {HALF.path: self._half.commits, OP.path: self._op.commits}
+
+    @property
+    def writer_stats(self) -> dict[str, WriterStats]:
+        """Per producer table, what its group-commit writer has done and where
+        its time went (`WriterStats`); empty without group commit."""
+        if not isinstance(self._half, GroupCommitWriter):
+            return {}
+        return {HALF.path: self._half.stats(), OP.path: self._op.stats()}
 
 
 def new_message_ids(n: int) -> list[str]:
