@@ -9,10 +9,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import zipfile
@@ -29,6 +31,8 @@ build_pyfiles = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(build_pyfiles)
 
 STARTUP_TIMEOUT_S = 60
+#: what the worker logs once the master has accepted it
+WORKER_REGISTERED = b"Successfully registered with master"
 # Generous: ~40 s on an idle 2-core machine, several times that when it is shared.
 SUBMIT_TIMEOUT_S = 300
 STOP_TIMEOUT_S = 15
@@ -83,55 +87,48 @@ class Cluster:
         self.work_dir = root / "work"
         self.procs: list[subprocess.Popen] = []
         self.env = _base_env()
+        self._worker_log: LogWatch | None = None
 
     @property
     def url(self) -> str:
         return f"spark://127.0.0.1:{self.master_port}"
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = open(self.root / f"{name}.log", "wb")
+    def _spawn(self, name: str, args: list[str], marker: bytes | None = None) -> "LogWatch":
         # A session of its own: stopping its process group reaches exactly the
         # JVM spark-class execs (and the executors it forks), nothing else.
-        proc = subprocess.Popen([str(_spark_bin() / "spark-class"), *args], stdout=log,
-                                stderr=subprocess.STDOUT, env=self.env,
+        proc = subprocess.Popen([str(_spark_bin() / "spark-class"), *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env,
                                 start_new_session=True, cwd=self.root)
-        log.close()
         self.procs.append(proc)
-        return proc
+        return LogWatch(proc, self.root / f"{name}.log", marker)
 
     def start(self) -> None:
         self._spawn("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
                                "--port", str(self.master_port),
                                "--webui-port", str(self.master_ui)])
-        self._spawn("worker", ["org.apache.spark.deploy.worker.Worker", self.url,
-                               "--host", "127.0.0.1", "--port", str(self.worker_port),
-                               "--webui-port", str(self.worker_ui), "--cores", "1",
-                               "--memory", "1g", "--work-dir", str(self.work_dir)])
+        self._worker_log = self._spawn(
+            "worker", ["org.apache.spark.deploy.worker.Worker", self.url,
+                       "--host", "127.0.0.1", "--port", str(self.worker_port),
+                       "--webui-port", str(self.worker_ui), "--cores", "1",
+                       "--memory", "1g", "--work-dir", str(self.work_dir)],
+            marker=WORKER_REGISTERED)
 
-    def state(self) -> dict | None:
-        """The master's status, or None while it is not serving it yet.
-
-        The master's web server listens before all its pages are attached, and
-        for a moment answers /json/ with the HTML of its front page.
-        """
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.master_ui}/json/",
-                                        timeout=2) as resp:
-                return json.load(resp)
-        except (OSError, ValueError):
-            return None
+    def state(self) -> dict:
+        """The master's status (its JSON page)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.master_ui}/json/",
+                                    timeout=10) as resp:
+            return json.load(resp)
 
     def wait_for_worker(self) -> dict:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            for proc in self.procs:
-                assert proc.poll() is None, f"a cluster process exited early:\n{self.logs()}"
-            state = self.state()
-            if state and state.get("aliveworkers", 0) >= 1:
-                return state
-            # Waiting for another process to come up, not passing the job's time.
-            time.sleep(0.25)
-        raise AssertionError(f"no worker registered within {STARTUP_TIMEOUT_S}s\n{self.logs()}")
+        """Block until the worker logs that the master accepted it; the
+        master's status then. (The master's web pages are all attached by
+        then: it registers workers only once it has started, UI included.)"""
+        watch = self._worker_log
+        if not watch.seen.wait(STARTUP_TIMEOUT_S):
+            raise AssertionError(f"no worker registered within {STARTUP_TIMEOUT_S}s\n"
+                                 f"{self.logs()}")
+        assert watch.found, f"the worker stopped before registering:\n{self.logs()}"
+        return self.state()
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
@@ -160,16 +157,47 @@ class Cluster:
             assert _group_gone(proc.pid, time.monotonic() + STOP_TIMEOUT_S)
 
 
-def _group_gone(pgid: int, deadline: float) -> bool:
-    """Wait until no process of group `pgid` is left, or the deadline passes.
+class LogWatch:
+    """Copies a process's output to its log file from a thread; `seen` is set
+    once a line holds `marker` (`found` True) or the output ends (False)."""
 
-    The members are the worker's grandchildren (the executor JVM), which this
-    process cannot wait() for, so it polls; the sleep waits for other
-    processes to exit, no time rule depends on it.
-    """
-    while _group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    def __init__(self, proc: subprocess.Popen, path: Path, marker: bytes | None):
+        self.marker, self.found, self.seen = marker, False, threading.Event()
+        threading.Thread(target=self._copy, args=(proc.stdout, path), daemon=True).start()
+
+    def _copy(self, stream, path: Path) -> None:
+        with stream, open(path, "wb") as log:
+            for line in stream:
+                log.write(line)
+                log.flush()
+                if self.marker and not self.found and self.marker in line:
+                    self.found = True
+                    self.seen.set()
+        self.seen.set()
+
+
+def _group_gone(pgid: int, deadline: float) -> bool:
+    """Wait until no process of group `pgid` is left, or the deadline passes."""
+    while (members := _group_members(pgid)) and time.monotonic() < deadline:
+        _wait_for_an_exit(members, deadline - time.monotonic())
     return not _group_members(pgid)
+
+
+def _wait_for_an_exit(pids: list[int], timeout: float) -> None:
+    """Block until one of `pids` exits (or `timeout` s pass). They are the
+    worker's grandchildren (the executor JVM), which this process cannot
+    wait() for; a pidfd becomes readable when its process exits."""
+    fds = []
+    for pid in pids:
+        try:
+            fds.append(os.pidfd_open(pid))
+        except ProcessLookupError:
+            return  # already gone: the caller looks again
+    try:
+        select.select(fds, [], [], max(timeout, 0))
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
