@@ -13,11 +13,11 @@ In one run it measures, at the same concurrency:
   3. the batch path (send_batch_in_transaction) with --batch-size messages.
 For the group-commit run it also prints where each table's writer thread
 spent the window (`Broker.writer_stats`): inside Delta commits, building
-Arrow columns, compacting, or idle waiting for rows.
+Arrow columns, or idle waiting for rows; and how busy its upkeep thread was.
 
 "Durable" here means committed to a Delta table on the warehouse's storage
 (the commit file is in _delta_log). RocketMQ's default broker acknowledges
-before fsync (ASYNC_FLUSH); delta-rs on a local disk does not fsync either,
+before fsync (ASYNC_FLUSH); the broker core (like delta-rs) does not fsync on a local disk either,
 so the two are comparable on one machine; on S3 a commit is durable in S3.
 
 Example:
@@ -141,14 +141,15 @@ def run_per_message(args, group_commit: bool, duration: float) -> dict:
 
 
 def writer_figures(stats, elapsed: float) -> dict:
-    """A writer thread's window: commit size and time, and its time by activity."""
+    """A writer thread's window: commit size and time, its time by activity,
+    and how busy its upkeep thread was (checkpoints, compaction, log clean-up)."""
     def share(seconds: float) -> str:
         return f"{100 * seconds / elapsed:.0f}%"
     return {"rows_per_commit": round(stats.rows_per_commit, 1),
             "ms_per_commit": round(stats.ms_per_commit, 1),
             "in_commit": share(stats.commit_s), "building": share(stats.build_s),
-            "compacting_and_log_cleanup": share(stats.maintenance_s),
-            "idle": share(stats.idle_s)}
+            "idle": share(stats.idle_s),
+            "upkeep_beside_it": share(stats.upkeep_s)}
 
 
 def run_batches(args) -> dict:

@@ -10,7 +10,6 @@ from deltalake import DeltaTable
 from schemas import OP, table_path
 from schemas.arrow import arrow_schema
 from txn_core import PersistError
-from txn_core import group_commit
 from txn_core.group_commit import GroupCommitWriter
 from txn_core.tables import PRODUCER_TABLE_CONFIG, open_or_create
 
@@ -37,25 +36,25 @@ def changes(warehouse: str) -> list[dict]:
 
 
 class GatedWrites:
-    """Stands in for write_deltalake: holds the first commit until `release()`,
-    so the appends submitted meanwhile form the next batch; fails the commits
-    whose number is in `failing` (1 = the first)."""
+    """Stands in for the writer's commit step: holds the first commit until
+    `release()`, so the appends submitted meanwhile form the next batch; fails
+    the commits whose number is in `failing` (1 = the first)."""
 
     def __init__(self, monkeypatch, failing=()):
         self.gate, self.started = threading.Event(), threading.Event()
         self.failing, self.calls = set(failing), 0
-        real = group_commit.write_deltalake
+        real = GroupCommitWriter._append_rows
 
-        def write(*args, **kwargs):
+        def append_rows(writer, rows):
             self.calls += 1
             if self.calls == 1:
                 self.started.set()
                 self.gate.wait(10)
             if self.calls in self.failing:
                 raise OSError(f"disk full (commit {self.calls})")
-            return real(*args, **kwargs)
+            return real(writer, rows)
 
-        monkeypatch.setattr(group_commit, "write_deltalake", write)
+        monkeypatch.setattr(GroupCommitWriter, "_append_rows", append_rows)
 
     def hold_first(self, writer: GroupCommitWriter, offsets: list[int]):
         ticket = writer.submit(op_rows(offsets))
@@ -130,7 +129,7 @@ def test_stats_count_committed_rows_and_where_the_time_went(warehouse, monkeypat
     assert (stats.commits, stats.rows, stats.rows_per_commit) == (2, 7, 3.5)
     assert stats.commit_s >= held  # the writer was inside the held commit, not idle
     assert stats.ms_per_commit == pytest.approx(1000 * stats.commit_s / 2)
-    assert min(stats.build_s, stats.maintenance_s, stats.idle_s) >= 0
+    assert min(stats.build_s, stats.upkeep_s, stats.idle_s) >= 0
 
 
 def test_a_sender_that_never_asks_does_not_hold_up_the_others(warehouse, monkeypatch):
@@ -161,19 +160,22 @@ def test_the_writer_drops_expired_log_entries_every_log_cleanup_every_commits(wa
         writer.submit(op_rows([o])).result()
     # version 7 committed: a checkpoint at 4, but no cleanup after each commit
     assert "00000000000000000000.json" in log_entries(warehouse)
-    assert writer.log_cleanups == 0
+    assert writer.upkeep.log_cleanups == 0
     assert writer.submit(op_rows([7])).result() == 8  # then cleanup up to the checkpoint ...
     assert writer.submit(op_rows([8])).result() == 9  # ... and the writer goes on
     writer.close()
     entries = log_entries(warehouse)
-    assert writer.log_cleanups == 1
-    assert "00000000000000000003.json" not in entries
-    assert "00000000000000000004.json" in entries and "00000000000000000009.json" in entries
+    assert writer.upkeep.log_cleanups == 1
+    # dropped up to the newest checkpoint when the clean-up ran (4, or 9 if
+    # the upkeep thread got to it after the last commit)
+    first = min(int(e[:20]) for e in entries if e.endswith(".json"))
+    assert first in (4, 9) and f"{first:020d}.checkpoint.parquet" in entries
+    assert "00000000000000000009.json" in entries
     # the table still reads, and so does the change feed from the checkpoint on
     table = DeltaTable(table_path(warehouse, OP))
     assert sorted(table.to_pyarrow_table()["op_offset"].to_pylist()) == list(range(9))
-    feed = pa.table(table.load_cdf(starting_version=4)).to_pylist()
-    assert sorted(r["op_offset"] for r in feed) == [3, 4, 5, 6, 7, 8]
+    feed = pa.table(table.load_cdf(starting_version=first)).to_pylist()
+    assert sorted(r["op_offset"] for r in feed) == list(range(first - 1, 9))
     assert {r["_change_type"] for r in feed} == {"insert"}
 
 
@@ -185,5 +187,5 @@ def test_log_cleanup_follows_the_tables_setting(warehouse):
     for o in range(9):
         writer.submit(op_rows([o])).result()
     writer.close()
-    assert writer.log_cleanups == 0
+    assert writer.upkeep.log_cleanups == 0
     assert "00000000000000000000.json" in log_entries(warehouse)

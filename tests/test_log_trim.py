@@ -42,7 +42,7 @@ def test_the_writer_trims_up_to_the_newest_checkpoint_at_or_before_the_floor(war
     path = table_path(warehouse, OP)
     left = entries(path)
     # checkpoints at 4, 9, 14, 19: the newest one at or before 12 is 9
-    assert writer.trimmed_entries > 0
+    assert writer.upkeep.trimmed_entries > 0
     assert "00000000000000000008.json" not in left
     assert "00000000000000000004.checkpoint.parquet" not in left
     assert {"00000000000000000009.json", "00000000000000000009.checkpoint.parquet",
@@ -60,7 +60,7 @@ def test_nothing_is_trimmed_before_the_job_has_run(warehouse):
     for o in range(10):
         writer.submit(op_rows([o])).result()
     writer.close()
-    assert writer.log_cleanups == 1 and writer.trimmed_entries == 0
+    assert writer.upkeep.log_cleanups == 1 and writer.upkeep.trimmed_entries == 0
     assert "00000000000000000000.json" in entries(table_path(warehouse, OP))
 
 

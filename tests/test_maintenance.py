@@ -81,20 +81,20 @@ def test_compaction_and_checkpoint_leave_rows_and_change_feed_intact(warehouse):
 
 
 def test_group_commit_writer_compacts_its_small_files_without_new_data(warehouse):
-    """The writer compacts every COMPACT_EVERY small commits: a long-running
-    producer does not slow down as files pile up (delta-rs commits cost grows
-    with the table's active files)."""
-    from txn_core import group_commit
+    """The writer's upkeep compacts every COMPACT_EVERY small commits: a
+    long-running producer's table does not pile up small files."""
+    from txn_core import writer_upkeep
     with Broker.open(warehouse) as broker:
-        broker._half._compact_every = 5  # the default is 64: keep the test small
+        broker._half.upkeep.compact_every = 5  # the default is 64: keep the test small
         producer = TransactionProducer(broker, "g", Decide())
         sent = [producer.send_message_in_transaction(Message(topic="T", body=bytes([i])),
                                                      LocalTransactionState.COMMIT_MESSAGE)
                 for i in range(12)]
-        compactions = broker._half.compactions
+    # closed: the upkeep due by then is done (it runs beside the writer, so
+    # a compaction may also take in commits made while it ran)
+    assert writer_upkeep.COMPACT_EVERY == 64 and broker._half.upkeep.compactions == 2
     half = DeltaTable(f"{warehouse}/_sys/half")
-    assert group_commit.COMPACT_EVERY == 64 and compactions == 2
-    assert len(half.file_uris()) == 3  # one compacted file, then the 2 commits after it
+    assert len(half.file_uris()) <= 3  # one compacted file, then at most 2 commits after it
     changes = pa.table(half.load_cdf(starting_version=0)).to_pylist()
     inserted = [c["half_offset"] for c in changes if c["_change_type"] == "insert"]
     assert sorted(inserted) == sorted(r.half_offset for r in sent)

@@ -260,7 +260,7 @@ def test_closed_broker_refuses_sends(warehouse):
 
 def test_unique_columns_are_written_without_a_dictionary(producer, warehouse):
     """Offsets and ids are unique: a dictionary for them is built only to be
-    dropped (txn_core.broker._plain). Repeated values keep theirs."""
+    dropped (txn_core.group_commit.plain_encoding). Repeated values keep theirs."""
     import pyarrow.parquet as pq
     producer.send_batch_in_transaction(
         [Message(topic="ORDER", body=b"same", keys="k") for _ in range(50)], COMMIT)

@@ -1,4 +1,5 @@
-"""The broker core: durable half and OP rows on Delta tables, via delta-rs.
+"""The broker core: durable half and OP rows on Delta tables, without a JVM
+(delta-rs, and on a local disk plain blind appends: `txn_core.local_append`).
 
 A Broker is one process's handle on a warehouse. It owns one group-commit
 writer per producer table and an offset epoch; producers (any number, any
@@ -14,7 +15,7 @@ import uuid
 from typing import Callable, Mapping, Sequence
 
 import pyarrow.compute as pc
-from deltalake import ColumnProperties, DeltaTable, WriterProperties
+from deltalake import DeltaTable
 
 from schemas import HALF, OP, table_path
 from schemas.arrow import arrow_schema
@@ -34,18 +35,6 @@ SOURCES = ("PRODUCER", "CHECK", "ADMIN")
 
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
-
-
-def _plain(*columns: str) -> WriterProperties:
-    """Parquet without dictionary encoding for `columns`, whose values are
-    unique by construction (offsets, ids): the writer would build a dictionary
-    per column chunk only to drop it. Measured with bench_broker (256 threads,
-    2 KB bodies, 2 pairs, ids plain): per-message 2,224-2,303 msg/s instead of
-    1,891-1,940, batches of 10,000 108,000-110,000 msg/s instead of
-    92,000-99,000; the offsets plain as well were within the noise. Bodies keep
-    parquet's default: repeated bodies pack into a dictionary."""
-    return WriterProperties(column_properties={
-        c: ColumnProperties(dictionary_enabled=False) for c in columns})
 
 
 class Broker:
@@ -73,11 +62,13 @@ class Broker:
             self._half = GroupCommitWriter(
                 self._tables[HALF.path], arrow_schema(HALF), name=HALF.path, clock=clock,
                 log_floor=lambda: job_cursor(warehouse, HALF, storage_options),
-                writer_properties=_plain("half_offset", "transaction_id", "msg_id"))
+                plain_columns=("half_offset", "transaction_id", "msg_id"),
+                storage_options=storage_options)
             self._op = GroupCommitWriter(
                 self._tables[OP.path], arrow_schema(OP), name=OP.path, clock=clock,
                 log_floor=lambda: job_cursor(warehouse, OP, storage_options),
-                writer_properties=_plain("op_offset", "half_offset", "transaction_id"))
+                plain_columns=("op_offset", "half_offset", "transaction_id"),
+                storage_options=storage_options)
         else:  # one commit per call: only for measuring what group commit buys
             self._half = DirectWriter(table_path(warehouse, HALF), arrow_schema(HALF),
                                       name=HALF.path, clock=clock,
@@ -190,8 +181,8 @@ class Broker:
 
     def find_half(self, transaction_id: str) -> dict:
         """The half row of `transaction_id` (a full scan: for operators, not hot paths)."""
-        table = self._tables[HALF.path]
-        table.update_incremental()
+        # Its own handle: the writer's belongs to the writer thread.
+        table = DeltaTable(table_path(self.warehouse, HALF), storage_options=self.storage_options)
         rows = table.to_pyarrow_dataset().to_table(
             columns=["half_offset", "producer_group", "topic"],
             filter=pc.field("transaction_id") == transaction_id).to_pylist()
