@@ -85,14 +85,14 @@ def test_group_commit_writer_compacts_its_small_files_without_new_data(warehouse
     long-running producer's table does not pile up small files."""
     from txn_core import writer_upkeep
     with Broker.open(warehouse) as broker:
-        broker._half.upkeep.compact_every = 5  # the default is 64: keep the test small
+        broker._half.upkeep.compact_every = 5  # the default is 256: keep the test small
         producer = TransactionProducer(broker, "g", Decide())
         sent = [producer.send_message_in_transaction(Message(topic="T", body=bytes([i])),
                                                      LocalTransactionState.COMMIT_MESSAGE)
                 for i in range(12)]
     # closed: the upkeep due by then is done (it runs beside the writer, so
     # a compaction may also take in commits made while it ran)
-    assert writer_upkeep.COMPACT_EVERY == 64 and broker._half.upkeep.compactions == 2
+    assert writer_upkeep.COMPACT_EVERY == 256 and broker._half.upkeep.compactions == 2
     half = DeltaTable(f"{warehouse}/_sys/half")
     assert len(half.file_uris()) <= 3  # one compacted file, then at most 2 commits after it
     changes = pa.table(half.load_cdf(starting_version=0)).to_pylist()
