@@ -46,15 +46,11 @@ def add_actions(path: str) -> list[dict]:
     return adds
 
 
-def appender(table: DeltaTable, schema: pa.Schema) -> LocalAppender:
-    return LocalAppender(table, schema)
-
-
 def test_an_append_reads_back_as_if_delta_rs_had_written_it(tmp_path):
     ours = open_or_create(str(tmp_path / "ours"), HALF)
     theirs = open_or_create(str(tmp_path / "theirs"), HALF)
     rows = half_rows(list(range(7)))
-    assert appender(ours, arrow_schema(HALF)).append(rows) == 1
+    assert LocalAppender(ours, arrow_schema(HALF)).append(rows) == 1
     write_deltalake(theirs, rows, mode="append")
 
     ours, theirs = DeltaTable(ours.table_uri), DeltaTable(theirs.table_uri)
@@ -77,7 +73,7 @@ def test_an_append_reads_back_as_if_delta_rs_had_written_it(tmp_path):
 def test_appenders_and_delta_rs_writers_share_a_table(warehouse):
     table = open_or_create(warehouse, OP)
     path, schema = table_path(warehouse, OP), arrow_schema(OP)
-    first, second = appender(table, schema), appender(DeltaTable(path), schema)
+    first, second = LocalAppender(table, schema), LocalAppender(DeltaTable(path), schema)
 
     def rows(o: int) -> pa.Table:
         return to_arrow(schema, op_rows([o]), "store_ms", STORE_MS)
@@ -88,7 +84,7 @@ def test_appenders_and_delta_rs_writers_share_a_table(warehouse):
     assert versions == [1, 2, 4, 5]
 
     def send(offsets: range) -> None:  # racing from threads, each with its own appender
-        mine = appender(DeltaTable(path), schema)
+        mine = LocalAppender(DeltaTable(path), schema)
         for o in offsets:
             mine.append(rows(o))
 
@@ -113,7 +109,7 @@ def test_nulls_in_a_not_null_column_are_refused_and_nothing_is_written(warehouse
         schema=schema)
     before = sorted(os.listdir(table_path(warehouse, OP)))
     with pytest.raises(ValueError, match=r"NOT NULL column\(s\) \['transaction_id'\]"):
-        appender(table, schema).append(rows)
+        LocalAppender(table, schema).append(rows)
     assert sorted(os.listdir(table_path(warehouse, OP))) == before
     assert DeltaTable(table_path(warehouse, OP)).version() == 0
 
@@ -121,7 +117,7 @@ def test_nulls_in_a_not_null_column_are_refused_and_nothing_is_written(warehouse
 def test_a_protocol_or_metadata_change_stops_the_appender_and_delta_rs_takes_over(warehouse):
     table = open_or_create(warehouse, OP)
     path, schema = table_path(warehouse, OP), arrow_schema(OP)
-    stale = appender(table, schema)
+    stale = LocalAppender(table, schema)
     assert stale.append(to_arrow(schema, op_rows([1]), "store_ms", STORE_MS)) == 1
     writer = GroupCommitWriter(DeltaTable(path), schema, name=OP.path,
                                clock=lambda: STORE_MS)

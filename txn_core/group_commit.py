@@ -106,7 +106,7 @@ class GroupCommitWriter:
     On a local disk the writer commits with `LocalAppender` and reports the
     checkpoints the table's interval calls for to the upkeep; elsewhere, or for
     a table the appender may not write, it commits with delta-rs, whose hook
-    checkpoints (`direct=False` forces delta-rs).
+    checkpoints.
     """
 
     def __init__(self, table: DeltaTable, schema: pa.Schema, *, name: str,
@@ -114,7 +114,7 @@ class GroupCommitWriter:
                  max_rows: int = 50_000, compact_every: int | None = COMPACT_EVERY,
                  log_cleanup_every: int | None = LOG_CLEANUP_EVERY,
                  log_floor: Callable[[], int | None] | None = None,
-                 plain_columns: tuple[str, ...] = (), direct: bool = True,
+                 plain_columns: tuple[str, ...] = (),
                  storage_options: dict[str, str] | None = None):
         self._table = table
         self._schema = schema
@@ -124,13 +124,12 @@ class GroupCommitWriter:
         self._max_rows = max_rows
         self._writer_properties = plain_encoding(plain_columns)
         self._appender = None
-        if direct:
-            reason = unsupported_reason(table, schema)
-            if reason is None:
-                self._appender = LocalAppender(table, schema, dictionary_columns=[
-                    n for n in schema.names if n not in plain_columns])
-            else:
-                log.info("%s: committing with delta-rs (%s)", name, reason)
+        reason = unsupported_reason(table, schema)
+        if reason is None:
+            self._appender = LocalAppender(table, schema, dictionary_columns=[
+                n for n in schema.names if n not in plain_columns])
+        else:
+            log.info("%s: committing with delta-rs (%s)", name, reason)
         self.upkeep = WriterUpkeep(table.table_uri, name=name, storage_options=storage_options,
                                    compact_every=compact_every,
                                    log_cleanup_every=log_cleanup_every, log_floor=log_floor,

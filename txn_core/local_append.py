@@ -40,7 +40,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import re
 import time
 import uuid
 
@@ -48,7 +47,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
-from txn_core.log_trim import local_dir
+from txn_core.log_trim import checkpoint_versions, local_dir
 
 ENGINE_INFO = "lakehouse-txn local append"
 #: writer features whose duties a blind append of plain columns meets by
@@ -57,7 +56,6 @@ ENGINE_INFO = "lakehouse-txn local append"
 _APPEND_SAFE_FEATURES = {"appendOnly", "invariants", "changeDataFeed"}
 _FIELD_DUTIES = ("delta.invariants", "delta.generationExpression", "delta.identity",
                  "delta.columnMapping")
-_CHECKPOINT = re.compile(r"^(\d{20})\.checkpoint(\.\d{10}\.\d{10})?\.parquet$")
 
 
 class TableChanged(RuntimeError):
@@ -256,8 +254,7 @@ class LocalAppender:
         `version` new (the usual, one-stat case)."""
         if os.path.exists(os.path.join(self._log, f"{version - 1:020d}.json")):
             return False
-        newest = max((int(m.group(1)) for m in map(_CHECKPOINT.match, os.listdir(self._log))
-                      if m), default=-1)
+        newest = max(checkpoint_versions(os.listdir(self._log)), default=-1)
         if newest < version:
             return False
         self._next = max(self._next, newest + 1)

@@ -59,7 +59,7 @@ def trim_log(table: DeltaTable, keep_from: int) -> int:
         return 0
     log_dir = os.path.join(root, "_delta_log")
     names = sorted(os.listdir(log_dir))
-    checkpoints = [int(m.group(1)) for m in map(_CHECKPOINT.match, names) if m]
+    checkpoints = checkpoint_versions(names)
     floor = max((v for v in checkpoints if v <= keep_from), default=None)
     if floor is None:
         return 0
@@ -74,6 +74,11 @@ def trim_log(table: DeltaTable, keep_from: int) -> int:
         except FileNotFoundError:  # another producer process trimmed it first
             pass
     return removed
+
+
+def checkpoint_versions(log_entries: list[str]) -> list[int]:
+    """The versions of the checkpoints among a `_delta_log` listing."""
+    return [int(m.group(1)) for m in map(_CHECKPOINT.match, log_entries) if m]
 
 
 def trimmed_past(table: DeltaTable) -> bool:
