@@ -45,6 +45,12 @@ from txn_core.config import Config, ConfigError, as_config, load_config  # noqa:
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 #: above this many OPs for messages no longer pending, look them up by a join, not IN (...)
 HISTORY_IN_LIST_MAX = 10_000
+#: up to this many decided rows (~100 bytes each) are sent whole to every task
+#: of a write to be joined with their messages (`T.with_bodies`), and up to
+#: this many winning OPs to find the messages they leave undecided
+#: (`T.remaining_pending`); above, both sides are shuffled, which moves every
+#: message through a sort
+BROADCAST_MAX_ROWS = 1_000_000
 #: output tables written at once (independent writes; see _write_outputs)
 PARALLEL_WRITES = 4
 
@@ -259,7 +265,10 @@ def _new_intent(spark, wh: str, last: state.RunRecord | None, cfg: Config,
 
 @dataclass
 class _Outputs:
-    delivered: object
+    """The run's output tables as DataFrames over its cached inputs and
+    decisions, and its counters. `delivered`: one DataFrame per topic."""
+
+    delivered: dict
     requests: object
     discards: object
     resolved: object
@@ -268,7 +277,6 @@ class _Outputs:
     pending: object
     counts: dict = field(default_factory=dict)
     delivered_by_topic: dict = field(default_factory=dict)
-    cached: list = field(default_factory=list)
 
 
 @dataclass
@@ -283,8 +291,9 @@ def _execute(spark, wh: str, record: state.RunRecord, lease: Lease | None,
     crashed attempt of this run may have written some of its tables."""
     started = time.time()
     rules = T.Rules.from_json(record.rules_json)
-    out = _compute(spark, wh, record, rules)
+    cached: list = []
     try:
+        out = _compute(spark, wh, record, rules, cached)
         if write:
             _write_outputs(spark, wh, record, out, lease, redo)
         summary = _summary(record, out, int((time.time() - started) * 1000))
@@ -293,94 +302,107 @@ def _execute(spark, wh: str, record: state.RunRecord, lease: Lease | None,
             record = _commit(spark, wh, record, summary)
         return _Executed(record, summary)
     finally:
-        for df in out.cached:
+        for df in cached:
             df.unpersist()
 
 
-def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules) -> _Outputs:
-    """The run's outputs, decided on message keys, then joined with the
-    message bodies once (`jobs.transforms`' docstring)."""
+def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, cached: list) -> _Outputs:
+    """The run's outputs (`jobs.transforms`' docstring has the order).
+
+    The new half rows and the carried pending set are read once and kept in
+    memory: the rules scan their keys, and each output table joins its
+    messages back from there. The decisions are made on keys alone and kept
+    too (`fates`, a narrow row per message); the counters come from them in
+    one Spark job before any write. DataFrames kept are added to `cached`,
+    for the caller to release.
+    """
     paths = state.input_paths(wh)
     ops = state.added_rows(spark, paths["op"], state.OP, record.prev_op_version,
                            record.op_version)
-    half = state.added_rows(spark, paths["half"], HALF, record.prev_half_version,
-                            record.half_version)
+    half = _keep(cached, state.added_rows(spark, paths["half"], HALF, record.prev_half_version,
+                                          record.half_version))
     answers = state.added_rows(spark, paths["answers"], state.CHECK_ANSWERS,
                                record.prev_answers_version, record.answers_version)
-    pending_prev = state.read_state(spark, wh, record.state_versions, PENDING)
+    pending_prev = _keep(cached, state.read_state(spark, wh, record.state_versions, PENDING))
     queues = state.read_state(spark, wh, record.state_versions, QUEUES)
 
     accepted, rejected_halves = T.split_halves(half, rules)
     messages = T.live_messages(pending_prev, accepted, rules)
-    live = T.message_keys(messages).cache()
-    resolved_hist, discard_hist = _history_for(spark, wh, record, ops, live)
-    targets = T.op_targets(live, T.history_targets(resolved_hist, discard_hist))
-    classified = T.classify_ops(ops, targets).cache()
+    live = T.message_keys(messages)
+    no_history = T.history_targets(state.empty(spark, RESOLVED), state.empty(spark, DISCARD))
+    classified = _keep(cached, T.classify_ops(ops, T.op_targets(live, no_history)))
+    classified, discard_hist = _with_history(spark, wh, record, classified, cached)
     won = T.winners(classified)
-    positions = T.queue_positions(won, queues).cache()
-    undecided = T.apply_answers(T.remaining_pending(live, won), answers)
-    decided = T.decide(undecided, rules).cache()
-    fates = positions.unionByName(decided, allowMissingColumns=True)
-    counts, delivered_by_topic = _count(half, answers, pending_prev, classified, positions,
-                                        decided, rules)
-    bodies = T.message_bodies(messages).unionByName(T.message_bodies(discard_hist))
-    settled = T.with_bodies(fates, bodies).cache()
-    cached = [live, classified, positions, decided, settled]
-    try:
-        _check_settled(settled, counts.pop("_fates"))
-    except BaseException:
-        for df in cached:
-            df.unpersist()
-        raise
+    positions = T.queue_positions(won, queues)
+    few_won = classified.where(F.col("outcome") == T.WIN).count() <= BROADCAST_MAX_ROWS
+    undecided = T.remaining_pending(live, won, broadcast=few_won)
+    decided = T.decide(T.apply_answers(undecided, answers), rules)
+    fates = _keep(cached, positions.unionByName(decided, allowMissingColumns=True))
+    counts, delivered_by_topic = _count(half, answers, pending_prev, classified, fates, rules)
+
+    known = T.known_messages(messages, discard_hist)
+
+    def settled(decisions: tuple, rows: int, topic: str | None = None):
+        """The fates `decisions` (`rows` of them) with their messages."""
+        chosen, bodies = fates.where(F.col("decision").isin(*decisions)), known
+        if topic is not None:
+            chosen, bodies = chosen.where(F.col("topic") == topic), bodies.where(
+                F.col("topic") == topic)
+        return T.with_bodies(chosen, bodies, broadcast=rows <= BROADCAST_MAX_ROWS)
+
+    c = counts
     return _Outputs(
-        delivered=T.deliveries(settled, rules),
-        requests=T.check_requests(settled, rules),
-        discards=T.discards(settled, rules),
+        delivered={topic: T.deliveries(settled((T.DELIVER,), n, topic), rules).drop("topic")
+                   for topic, n in delivered_by_topic.items()},
+        requests=T.check_requests(settled((T.CHECK,), c["check_requests"]), rules),
+        discards=T.discards(settled((T.EXPIRED, T.MAX_CHECKS),
+                                    c["discarded_max_checks"] + c["discarded_expired"]), rules),
         resolved=T.resolved_rows(won, rules),
         rejected=rejected_halves.unionByName(T.op_rejections(classified, rules)),
-        queues=T.next_queues(queues, positions, rules),
-        pending=T.next_pending(settled, rules),
-        counts=counts, delivered_by_topic=delivered_by_topic,
-        cached=cached)
+        queues=T.next_queues(queues, fates.where(F.col("decision") == T.DELIVER), rules),
+        pending=T.next_pending(settled((T.CHECK, T.WAIT), c["pending_after"]), rules),
+        counts=counts, delivered_by_topic=delivered_by_topic)
 
 
-def _check_settled(settled, fates: int) -> None:
-    """Fill the cache every write reads, and make sure no decided message
-    lost its body on the way: it would be missing from the output tables.
-    (Every fate comes from a message row, so this guards the code, not the
-    data.)"""
-    found = settled.count()
-    if found < fates:
-        raise RuntimeError(f"{fates} messages were decided but only {found} joined their "
-                           f"bodies; nothing was written")
+def _keep(cached: list, df):
+    """`df`, cached, and remembered in `cached` for release at the run's end."""
+    cached.append(df.cache())
+    return df
 
 
-def _history_for(spark, wh: str, record: state.RunRecord, ops, live):
-    """Resolved and discarded rows for OPs that match no live message.
+def _with_history(spark, wh: str, record: state.RunRecord, classified, cached: list):
+    """(`classified` (`T.classify_ops` against the live messages), corrected
+    for the OPs that match no live message by what the resolved and discard
+    tables say of their messages; the discard rows read: an ADMIN OP may
+    deliver a discarded message).
 
-    Usually there are none and the history is not read at all; otherwise only
-    the files whose statistics may hold those offsets are read.
+    Usually there are no such OPs, and the history is not read at all;
+    otherwise only the files whose statistics may hold their offsets.
     """
-    keys = [r[0] for r in T.unmatched_op_keys(ops, live).collect()]
+    keys = [r[0] for r in T.unmatched_op_keys(classified).collect()]
+    if not keys:
+        return classified, state.empty(spark, DISCARD)
     resolved = state.read_state(spark, wh, record.state_versions, RESOLVED)
     discarded = state.read_state(spark, wh, record.state_versions, DISCARD)
-    if not keys:
-        return (state.empty(spark, RESOLVED), state.empty(spark, DISCARD))
-    if len(keys) <= HISTORY_IN_LIST_MAX:
-        return (resolved.where(resolved.half_offset.isin(keys)),
-                discarded.where(discarded.half_offset.isin(keys)))
     wanted = spark.createDataFrame([(k,) for k in keys], "half_offset bigint")
-    return (resolved.join(wanted, "half_offset", "left_semi"),
-            discarded.join(wanted, "half_offset", "left_semi"))
+    if len(keys) <= HISTORY_IN_LIST_MAX:
+        resolved = resolved.where(resolved.half_offset.isin(keys))
+        discarded = discarded.where(discarded.half_offset.isin(keys))
+    else:
+        resolved = resolved.join(wanted, "half_offset", "left_semi")
+        discarded = discarded.join(wanted, "half_offset", "left_semi")
+    history = T.history_targets(resolved, discarded)
+    return _keep(cached, T.reclassify_with_history(classified, wanted, history)), discarded
 
 
-def _count(half, answers, pending_prev, classified, positions, decided,
-           rules: T.Rules) -> tuple[dict, dict]:
+def _count(half, answers, pending_prev, classified, fates, rules: T.Rules) -> tuple[dict, dict]:
     """(counters, delivered rows by topic) from one Spark job: one single-row
     aggregate per input, cross-joined (each separate action costs a job's
-    latency). `_fates` counts the messages delivered or still to decide."""
+    latency)."""
     from functools import reduce
     n = F.count(F.lit(1))
+    positions = fates.where(F.col("decision") == T.DELIVER)
+    decided = fates.where(F.col("decision") != T.DELIVER)
 
     def where(cond):
         return F.coalesce(F.sum(F.when(cond, 1).otherwise(0)), F.lit(0))
@@ -402,20 +424,17 @@ def _count(half, answers, pending_prev, classified, positions, decided,
             where(outcome == T.INVALID).alias("invalid_ops"),
             where(outcome == T.LATE).alias("late_ops")),
         decided.agg(
-            n.alias("_decided"),
             where(decision == T.CHECK).alias("check_requests"),
             where(decision == T.MAX_CHECKS).alias("discarded_max_checks"),
             where(decision == T.EXPIRED).alias("discarded_expired"),
             where(still_pending).alias("pending_after"),
             F.max(F.when(still_pending, F.col("age_ms"))).alias("oldest_pending_age_ms")),
         T.still_pending(decided, rules).agg(F.min(T.due_at_ms(rules)).alias("next_due_ms")),
-        by_topic.agg(F.sum("n").alias("_delivered"),
-                     F.map_from_entries(F.collect_list(F.struct("topic", "n")))
+        by_topic.agg(F.map_from_entries(F.collect_list(F.struct("topic", "n")))
                      .alias("delivered_by_topic")),
     ]
     row = reduce(lambda a, b: a.crossJoin(b), parts).first().asDict()
     by_topic = dict(sorted((row.pop("delivered_by_topic") or {}).items()))
-    row["_fates"] = row.pop("_decided") + (row.pop("_delivered") or 0)
     return row, by_topic
 
 
@@ -442,9 +461,8 @@ def _write_outputs(spark, wh: str, record: state.RunRecord, out: _Outputs,
 def _output_writes(wh: str, out: _Outputs) -> list[tuple]:
     """(DataFrame, table path, app id, save mode) of each table this run changes."""
     c, writes = out.counts, []
-    for topic in sorted(out.delivered_by_topic):
-        writes.append((out.delivered.where(out.delivered.topic == topic).drop("topic"),
-                       topic_path(wh, topic), f"topics/{topic}", "append"))
+    for topic in sorted(out.delivered):
+        writes.append((out.delivered[topic], topic_path(wh, topic), f"topics/{topic}", "append"))
     if c["check_requests"]:
         writes.append((out.requests, table_path(wh, CHECK_REQUESTS), CHECK_REQUESTS.path,
                        "append"))

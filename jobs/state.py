@@ -22,6 +22,8 @@ from pyspark.sql.types import LongType
 
 from schemas.spark import spark_schema
 
+from jobs import appends
+
 #: tables whose rows other parties read incrementally or with delta-rs: change data feed on
 CDF_PROPERTIES = {"delta.enableChangeDataFeed": "true"}
 #: leading columns with file statistics. Statistics cost CPU on every row
@@ -120,7 +122,9 @@ def log_holds(spark: SparkSession, path: str, version: int) -> bool:
 
 def added_rows(spark: SparkSession, path: str, table: TableSchema,
                after: int, upto: int) -> DataFrame:
-    """Rows inserted in versions (after, upto], with their `commit_version`.
+    """Rows inserted in versions (after, upto], with their `commit_version`:
+    the change data feed's inserts, read as parquet when the commits allow
+    (`jobs.appends`).
 
     Fails with HistoryGoneError when the log no longer holds version after+1:
     the job then cannot know what was added, and guessing could deliver a
@@ -135,6 +139,14 @@ def added_rows(spark: SparkSession, path: str, table: TableSchema,
             f"cursor stands (cleaned up after the table's logRetentionDuration); the job "
             f"must run at least once within that window. Rows added since cannot be "
             f"read incrementally; restore the log or raise the retention and rerun")
+    files = appends.appended_files(path, after, upto)
+    if files is not None:
+        return appends.read_appended(spark, files, table)
+    return change_feed_inserts(spark, path, after, upto)
+
+
+def change_feed_inserts(spark: SparkSession, path: str, after: int, upto: int) -> DataFrame:
+    """The change data feed's inserts in versions (after, upto], with `commit_version`."""
     return (spark.read.format("delta").option("readChangeFeed", "true")
             .option("startingVersion", after + 1).option("endingVersion", upto).load(path)
             .where(F.col("_change_type") == "insert")

@@ -7,15 +7,17 @@ deterministic for given inputs, which is what lets a crashed run be redone
 with identical outputs (I4).
 
 Order of a run, top to bottom:
-  split_halves -> live_messages -> message_keys -> (history lookup for
-  unmatched OPs) -> op_targets -> classify_ops -> winners -> queue_positions /
-  next_queues / resolved_rows; remaining_pending -> apply_answers -> decide;
-  with_bodies -> deliveries / discards / check_requests / next_pending
+  split_halves -> live_messages -> message_keys -> op_targets -> classify_ops
+  (-> unmatched_op_keys -> history lookup -> reclassify_with_history, for OPs
+  naming no live message) -> winners -> queue_positions / next_queues /
+  resolved_rows; remaining_pending -> apply_answers -> decide;
+  known_messages -> with_bodies -> deliveries / discards / check_requests /
+  next_pending
 
 The rules read only a message's keys (`message_keys`: ids, topic, queue,
 times, check counters). Its body, properties and the like are joined back
-once, onto the rows that carry them out (`with_bodies`): the costly columns
-cross the run in one join instead of through every join and sort.
+onto the rows that carry them out (`with_bodies`), each output table's own
+rows once: the costly columns never go through the rules' joins and sorts.
 """
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ from dataclasses import asdict, dataclass
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
-from schemas import (CHECK_REQUESTS, DISCARD, HALF, PENDING, QUEUES, REJECTED, RESOLVED,
-                     TOPIC, TableSchema)
+from schemas import (CHECK_REQUESTS, DISCARD, HALF, OP, PENDING, QUEUES, REJECTED,
+                     RESOLVED, TOPIC, TableSchema)
 from schemas.spark import spark_type
 
 ACTIONS = ("COMMIT", "ROLLBACK")
@@ -38,9 +40,17 @@ BODY_COLUMNS = ("msg_id", "tags", "keys", "body", "properties", "born_ms")
 
 #: the columns of `message_keys` (pending messages without their bodies)
 MESSAGE_KEY_COLUMNS = tuple(c for c in PENDING.names if c not in BODY_COLUMNS)
+#: what a run decides about a message (`queue_positions`, `decide`), as
+#: opposed to the message itself: all `with_bodies` takes from the decision
+FATE_COLUMNS = ("half_offset", "decision", "queue_offset", "commit_ms", "checks_sent",
+                "checks_undecided", "last_check_ms", "age_ms")
+#: an OP as the job reads it: its row and the table version that added it
+OP_COLUMNS = (*OP.names, "commit_version")
 
 # OP outcomes
 WIN, DUPLICATE, CONFLICT, INVALID, LATE = "WIN", "DUPLICATE", "CONFLICT", "INVALID", "LATE"
+#: the reason of an OP naming no message `classify_ops` was given
+UNKNOWN_OFFSET = "unknown half_offset"
 # what becomes of a message this run: delivered, or (still pending after
 # resolution) discarded, checked or left waiting
 DELIVER = "DELIVER"
@@ -138,11 +148,6 @@ def message_keys(messages: DataFrame) -> DataFrame:
     return messages.select(*MESSAGE_KEY_COLUMNS)
 
 
-def message_bodies(messages: DataFrame) -> DataFrame:
-    """half_offset and the BODY_COLUMNS of `messages`, to join back with `with_bodies`."""
-    return messages.select("half_offset", *BODY_COLUMNS)
-
-
 # --- 2. OPs ----------------------------------------------------------------
 
 def history_targets(resolved: DataFrame, discarded: DataFrame) -> DataFrame:
@@ -159,12 +164,6 @@ def history_targets(resolved: DataFrame, discarded: DataFrame) -> DataFrame:
     return (res.unionByName(dis).groupBy("half_offset")
             .agg(*[F.max(c).alias(c) for c in ("transaction_id", "producer_group", "topic",
                                                "queue_id", "prior_action", "discarded")]))
-
-
-def unmatched_op_keys(ops: DataFrame, live: DataFrame) -> DataFrame:
-    """half_offsets of OPs for no live message: only these need the history."""
-    return (ops.select("half_offset").distinct()
-            .join(live.select("half_offset"), "half_offset", "left_anti"))
 
 
 def op_targets(live: DataFrame, history: DataFrame) -> DataFrame:
@@ -189,7 +188,7 @@ def classify_ops(ops: DataFrame, targets: DataFrame) -> DataFrame:
                        F.col("transaction_id").alias("_t_txn"),
                        F.col("producer_group").alias("_t_group"),
                        "topic", "queue_id", "prior_action", "discarded")
-    reason = (F.when(F.col("_t_txn").isNull(), F.lit("unknown half_offset"))
+    reason = (F.when(F.col("_t_txn").isNull(), F.lit(UNKNOWN_OFFSET))
               .when(~F.col("action").isin(*ACTIONS), F.lit("invalid action"))
               .when(~F.col("source").isin(*SOURCES), F.lit("invalid source"))
               .when(F.col("producer_group") != F.col("_t_group"),
@@ -218,6 +217,24 @@ def classify_ops(ops: DataFrame, targets: DataFrame) -> DataFrame:
                .otherwise(F.lit(CONFLICT)))
     return (joined.withColumn("outcome", outcome)
             .drop("_t_txn", "_t_group", "prior_action", "_eligible", "_invalid", "_late"))
+
+
+def unmatched_op_keys(classified: DataFrame) -> DataFrame:
+    """half_offsets of the OPs `classify_ops` found no target for: against
+    the live messages alone, these are the ones that need the history."""
+    return (classified.where(F.col("reason") == UNKNOWN_OFFSET)
+            .select("half_offset").distinct())
+
+
+def reclassify_with_history(classified: DataFrame, keys: DataFrame,
+                            history: DataFrame) -> DataFrame:
+    """`classified` (against the live messages), with the OPs for `keys`
+    (`unmatched_op_keys`) classified again against `history`
+    (`history_targets`). OPs of different messages never meet in
+    `classify_ops`, so only those OPs change."""
+    kept = classified.join(keys, "half_offset", "left_anti")
+    again = classified.join(keys, "half_offset", "left_semi").select(*OP_COLUMNS)
+    return kept.unionByName(classify_ops(again, history))
 
 
 def op_rejections(classified: DataFrame, rules: Rules) -> DataFrame:
@@ -257,10 +274,26 @@ def queue_positions(won: DataFrame, queues: DataFrame) -> DataFrame:
                     F.lit(DELIVER).alias("decision")))
 
 
-def with_bodies(fates: DataFrame, bodies: DataFrame) -> DataFrame:
-    """Rows decided on keys alone (queue positions, decided pending rows),
-    each with its message's BODY_COLUMNS from `bodies` (`message_bodies`)."""
-    return fates.join(bodies, "half_offset", "inner")
+def known_messages(messages: DataFrame, discarded: DataFrame) -> DataFrame:
+    """The HALF rows of every message a fate of this run can name: the live
+    `messages` and the `discarded` ones its OPs name (an ADMIN OP may
+    deliver a discarded message)."""
+    return messages.select(*HALF.names).unionByName(discarded.select(*HALF.names))
+
+
+def with_bodies(fates: DataFrame, messages: DataFrame, *, broadcast: bool = False) -> DataFrame:
+    """Rows decided on keys alone (queue positions, decided pending rows):
+    their FATE_COLUMNS, each with its whole message (the HALF columns of
+    `messages`: live messages, or a discarded one an ADMIN OP delivers).
+
+    `broadcast`: the fates are few enough to send whole to every task, so
+    the messages, the wide side, are joined where they lie instead of
+    being shuffled.
+    """
+    decided = fates.select(*[c for c in FATE_COLUMNS if c in fates.columns])
+    if broadcast:
+        decided = F.broadcast(decided)
+    return decided.join(messages.select(*HALF.names), "half_offset", "inner")
 
 
 def deliveries(settled: DataFrame, rules: Rules) -> DataFrame:
@@ -291,9 +324,12 @@ def resolved_rows(won: DataFrame, rules: Rules) -> DataFrame:
 
 # --- 4. what stays pending -------------------------------------------------
 
-def remaining_pending(live: DataFrame, won: DataFrame) -> DataFrame:
-    """The live messages no OP of this run decided."""
-    return live.join(won.select("half_offset"), "half_offset", "left_anti")
+def remaining_pending(live: DataFrame, won: DataFrame, *, broadcast: bool = False) -> DataFrame:
+    """The live messages no OP of this run decided. `broadcast`: `won` is
+    small enough to send whole to every task (the live messages are not
+    shuffled)."""
+    keys = won.select("half_offset")
+    return live.join(F.broadcast(keys) if broadcast else keys, "half_offset", "left_anti")
 
 
 def apply_answers(pending: DataFrame, answers: DataFrame) -> DataFrame:

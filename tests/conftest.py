@@ -8,8 +8,11 @@ import pytest
 def spark():
     from jobs.session import build_spark
 
+    # One JVM runs every test (~175, many full runs and audits): more heap
+    # than a single run's default 2g needs.
     session = build_spark("txn-tests", master="local[2]",
-                          conf={"spark.sql.shuffle.partitions": "2"})
+                          conf={"spark.sql.shuffle.partitions": "2",
+                                "spark.driver.memory": "3g"})
     yield session
     session.stop()
 

@@ -198,7 +198,7 @@ def test_only_the_live_messages_no_valid_op_decided_remain_pending(spark):
     classified = T.classify_ops(ops_df(spark, *ops), T.op_targets(live, _history(spark)))
     remaining = T.remaining_pending(live, T.winners(classified))
     assert sorted(r[0] for r in remaining.select("half_offset").collect()) == [2, 3]
-    assert [r[0] for r in T.unmatched_op_keys(ops_df(spark, *ops), live).collect()] == [99]
+    assert [r[0] for r in T.unmatched_op_keys(classified).collect()] == [99]
 
 
 def _history(spark, resolved=(), discarded=()):
@@ -246,6 +246,23 @@ def test_after_admin_override_of_a_discard_producer_ops_stay_late(spark):
     assert got == {1: (T.LATE, "message discarded"), 2: (T.DUPLICATE, None)}
 
 
+
+def test_ops_naming_no_live_message_are_classified_again_against_the_history(spark):
+    live_msg, old = fx.half(1), fx.half(2)
+    ops = ops_df(spark, (fx.op(live_msg, op_offset=1), 1), (fx.op(old, "COMMIT", op_offset=2), 1),
+                 (fx.op(old, "ROLLBACK", op_offset=3), 2))
+    live = T.message_keys(pending_df(spark, live_msg))
+    history = _history(spark, resolved=[_resolved(old, "ROLLBACK")])
+    first = T.classify_ops(ops, T.op_targets(live, _history(spark)))
+    again = T.reclassify_with_history(first, T.unmatched_op_keys(first), history)
+
+    def outcomes(classified):
+        return sorted((r.op_offset, r.outcome, r.reason) for r in classified.collect())
+    assert outcomes(first)[1:] == [(2, T.INVALID, T.UNKNOWN_OFFSET),
+                                   (3, T.INVALID, T.UNKNOWN_OFFSET)]
+    assert outcomes(again) == outcomes(T.classify_ops(ops, T.op_targets(live, history))) == [
+        (1, T.WIN, None), (2, T.CONFLICT, None), (3, T.DUPLICATE, None)]
+
 # --- deliveries ------------------------------------------------------------------------
 
 def test_deliveries_dense_per_queue_in_commit_order_continuing_previous(spark):
@@ -260,7 +277,7 @@ def test_deliveries_dense_per_queue_in_commit_order_continuing_previous(spark):
     queues = spark.createDataFrame([{"topic": "ORDER", "queue_id": 0, "next_queue_offset": 10,
                                      "run_number": 3}], spark_schema(QUEUES))
     positions = T.queue_positions(won, queues)
-    settled = T.with_bodies(positions, T.message_bodies(live))
+    settled = T.with_bodies(positions, live)
     got = T.deliveries(settled, r).select("topic", "queue_id", "queue_offset", "half_offset")
     expected = spark.createDataFrame(
         [("ORDER", 0, 10, 2), ("ORDER", 0, 11, 1), ("ORDER", 1, 0, 3), ("PAY", 0, 0, 4)],
@@ -279,7 +296,7 @@ def test_delivered_row_carries_the_message_byte_identical(spark):
                                    T.op_targets(T.message_keys(live), _history(spark))))
     empty_q = spark.createDataFrame([], spark_schema(QUEUES))
     positions = T.queue_positions(won, empty_q)
-    row = T.deliveries(T.with_bodies(positions, T.message_bodies(live)), rules()).first()
+    row = T.deliveries(T.with_bodies(positions, live), rules()).first()
     assert (row["body"], row["tags"], row["keys"], row["properties"]) == \
         (body, "t\u00e9", "k 1", {"\u00fc": "\x00v"})
     assert (row["commit_ms"], row["delivered_ms"], row["queue_offset"]) == (77, NOW, 0)

@@ -1,0 +1,62 @@
+"""Reading a producer table's new rows as parquet (jobs.appends) gives exactly
+the change data feed's inserts, and anything else falls back to the feed."""
+from __future__ import annotations
+
+import pyarrow as pa
+from deltalake import DeltaTable, write_deltalake
+
+from jobs import appends, state
+from schemas import HALF, table_path
+from schemas.arrow import arrow_schema
+from tests import factories as fx
+
+
+def _rows(df) -> list[tuple]:
+    cols = [c for c in df.columns if c != "properties"]
+    return sorted(tuple(r) for r in df.select(*cols).collect())
+
+
+def _same_as_change_feed(spark, path: str, after: int, upto: int) -> None:
+    got = state.added_rows(spark, path, HALF, after, upto)
+    want = state.change_feed_inserts(spark, path, after, upto)
+    assert got.columns == want.columns
+    assert _rows(got) == _rows(want)
+
+
+def test_appends_and_a_compaction_are_read_as_parquet_like_the_change_feed(spark, warehouse):
+    for i in range(3):
+        fx.write_halves(warehouse, fx.half(2 * i), fx.half(2 * i + 1))
+    path = table_path(warehouse, HALF)
+    DeltaTable(path).optimize.compact()  # dataChange=false: adds no rows
+    fx.write_halves(warehouse, fx.half(6))
+    upto = DeltaTable(path).version()
+
+    files = appends.appended_files(path, 0, upto)
+    assert [v for v, _ in files] == [1, 2, 3, 5]  # version 0 creates the table, 4 compacts
+    _same_as_change_feed(spark, path, 0, upto)
+    _same_as_change_feed(spark, path, 2, upto)
+    by_offset = {r.half_offset: r.commit_version
+                 for r in state.added_rows(spark, path, HALF, 0, upto).collect()}
+    assert by_offset == {0: 1, 1: 1, 2: 2, 3: 2, 4: 3, 5: 3, 6: 5}
+
+
+def test_a_delete_in_the_range_falls_back_to_the_change_feed(spark, warehouse):
+    fx.write_halves(warehouse, fx.half(1), fx.half(2))
+    path = table_path(warehouse, HALF)
+    DeltaTable(path).delete("half_offset = 2")  # rewrites the file, with a change file
+    fx.write_halves(warehouse, fx.half(3))
+    upto = DeltaTable(path).version()
+    assert '"cdc"' in open(appends.log_entry(path, 2)).read()
+    assert appends.appended_files(path, 0, upto) is None
+    _same_as_change_feed(spark, path, 0, upto)
+    assert sorted(r.half_offset for r in state.added_rows(spark, path, HALF, 0, upto)
+                  .collect()) == [1, 2, 3]  # the rewrite inserts nothing
+
+
+def test_tables_it_cannot_read_as_written_are_left_to_the_change_feed(warehouse):
+    assert appends.appended_files("s3a://bucket/_sys/half", 0, 3) is None
+    path = f"{warehouse}/partitioned"
+    rows = pa.Table.from_pylist([{**fx.half(1), "properties": None}], schema=arrow_schema(HALF))
+    write_deltalake(path, rows, partition_by=["topic"])
+    write_deltalake(path, rows, mode="append", partition_by=["topic"])
+    assert appends.appended_files(path, 0, 1) is None
