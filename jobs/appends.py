@@ -22,24 +22,17 @@ from __future__ import annotations
 
 import json
 import os
-from urllib.parse import unquote, urlparse
+from urllib.parse import unquote
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from schemas import TableSchema
 from schemas.spark import spark_schema
+from txn_core.log_trim import local_path
 
 #: table properties under which a data file's rows are not the table's rows as written
 _READER_PROPERTIES = ("delta.columnMapping.mode",)
-
-
-def local_root(path: str) -> str | None:
-    """The table's directory when `path` is on a local filesystem, else None."""
-    parsed = urlparse(path)
-    if parsed.scheme == "file":
-        return unquote(parsed.path)
-    return path if parsed.scheme == "" else None
 
 
 def log_entry(root: str, version: int) -> str:
@@ -55,7 +48,7 @@ def appended_files(path: str, after: int, upto: int) -> list[tuple[int, str]] | 
     entry missing (removed meanwhile) also gives None, and the change data
     feed then says what is wrong.
     """
-    root = local_root(path)
+    root = local_path(path)
     if root is None or not _plain_table(path, upto):
         return None
     files: list[tuple[int, str]] = []
@@ -116,11 +109,8 @@ def _plain_table(path: str, version: int) -> bool:
 
 def read_appended(spark: SparkSession, files: list[tuple[int, str]],
                   table: TableSchema) -> DataFrame:
-    """The rows of `files` (`appended_files`) in `table`'s columns, plus
-    `commit_version`: the version that added each file."""
-    from jobs.state import empty
-    if not files:
-        return empty(spark, table, with_commit_version=True)
+    """The rows of `files` (`appended_files`, not empty) in `table`'s
+    columns, plus `commit_version`: the version that added each file."""
     versions = spark.createDataFrame([(os.path.basename(f), v) for v, f in files],
                                      "_file string, commit_version bigint")
     rows = (spark.read.schema(spark_schema(table)).parquet(*[f for _, f in files])

@@ -16,13 +16,12 @@ from dataclasses import dataclass, field, fields
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from schemas import (CHECK_ANSWERS, CHECK_REQUESTS, DISCARD, HALF, OP, PENDING, QUEUES,
-                     REJECTED, RESOLVED, RUNS, TOPIC, TableSchema, table_path, topic_path)
 from pyspark.sql.types import LongType
 
-from schemas.spark import spark_schema
-
 from jobs import appends
+from schemas import (CHECK_ANSWERS, CHECK_REQUESTS, DISCARD, HALF, OP, PENDING, QUEUES,
+                     REJECTED, RESOLVED, RUNS, TOPIC, TableSchema, table_path, topic_path)
+from schemas.spark import spark_schema
 
 #: tables whose rows other parties read incrementally or with delta-rs: change data feed on
 CDF_PROPERTIES = {"delta.enableChangeDataFeed": "true"}
@@ -141,7 +140,8 @@ def added_rows(spark: SparkSession, path: str, table: TableSchema,
             f"read incrementally; restore the log or raise the retention and rerun")
     files = appends.appended_files(path, after, upto)
     if files is not None:
-        return appends.read_appended(spark, files, table)
+        return (appends.read_appended(spark, files, table) if files
+                else empty(spark, table, with_commit_version=True))
     return change_feed_inserts(spark, path, after, upto)
 
 

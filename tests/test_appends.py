@@ -33,6 +33,8 @@ def test_appends_and_a_compaction_are_read_as_parquet_like_the_change_feed(spark
 
     files = appends.appended_files(path, 0, upto)
     assert [v for v, _ in files] == [1, 2, 3, 5]  # version 0 creates the table, 4 compacts
+    assert appends.appended_files(path, 3, 4) == []
+    assert state.added_rows(spark, path, HALF, 3, 4).count() == 0
     _same_as_change_feed(spark, path, 0, upto)
     _same_as_change_feed(spark, path, 2, upto)
     by_offset = {r.half_offset: r.commit_version

@@ -42,7 +42,11 @@ def job_cursor(warehouse: str, table: TableSchema,
 
 def local_dir(table: DeltaTable) -> str | None:
     """The table's directory when it is on a local filesystem, else None."""
-    uri = table.table_uri
+    return local_path(table.table_uri)
+
+
+def local_path(uri: str) -> str | None:
+    """`uri` as a local filesystem path (a plain path or a file: URI), else None."""
     parsed = urlparse(uri)
     if parsed.scheme == "file":
         return unquote(parsed.path)
