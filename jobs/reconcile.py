@@ -37,6 +37,7 @@ from pyspark.sql import functions as F  # noqa: E402
 from jobs import state  # noqa: E402
 from jobs import transforms as T  # noqa: E402
 from jobs.faults import InjectedFault, fault_point  # noqa: E402
+from jobs.held import Held  # noqa: E402
 from jobs.lease import EXIT_LEASE_HELD, Lease, LeaseHeld, LeaseLost  # noqa: E402
 from schemas import (CHECK_REQUESTS, DISCARD, HALF, PENDING, QUEUES, REJECTED,  # noqa: E402
                      RESOLVED, table_path, topic_path)
@@ -265,7 +266,7 @@ def _new_intent(spark, wh: str, last: state.RunRecord | None, cfg: Config,
 
 @dataclass
 class _Outputs:
-    """The run's output tables as DataFrames over its cached inputs and
+    """The run's output tables as DataFrames over what it keeps (`jobs.held`) and
     decisions, and its counters. `delivered`: one DataFrame per topic."""
 
     delivered: dict
@@ -291,9 +292,9 @@ def _execute(spark, wh: str, record: state.RunRecord, lease: Lease | None,
     crashed attempt of this run may have written some of its tables."""
     started = time.time()
     rules = T.Rules.from_json(record.rules_json)
-    cached: list = []
+    held = Held()
     try:
-        out = _compute(spark, wh, record, rules, cached)
+        out = _compute(spark, wh, record, rules, held, writing=write)
         if write:
             _write_outputs(spark, wh, record, out, lease, redo)
         summary = _summary(record, out, int((time.time() - started) * 1000))
@@ -302,75 +303,74 @@ def _execute(spark, wh: str, record: state.RunRecord, lease: Lease | None,
             record = _commit(spark, wh, record, summary)
         return _Executed(record, summary)
     finally:
-        for df in cached:
-            df.unpersist()
+        held.release()
 
 
-def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, cached: list) -> _Outputs:
+def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held, *,
+             writing: bool = True) -> _Outputs:
     """The run's outputs (`jobs.transforms`' docstring has the order).
 
-    The new half rows and the carried pending set are read once and kept in
-    memory: the rules scan their keys, and each output table joins its
-    messages back from there. The decisions are made on keys alone and kept
-    too (`fates`, a narrow row per message); the counters come from them in
-    one Spark job before any write. DataFrames kept are added to `cached`,
-    for the caller to release.
+    The rules run on the messages' keys; the keys, the classified OPs and
+    the decisions are each computed once and kept (`jobs.held`), and the
+    counters come from them in one Spark job before any write. Then the
+    decided messages are joined with their bodies in one pass, kept too, and
+    every output table is a filter of those rows: the new half rows are read
+    twice (keys, bodies), however many topics there are. Not `writing` (a
+    dry run): the counters only, the bodies are never read.
     """
     paths = state.input_paths(wh)
     ops = state.added_rows(spark, paths["op"], state.OP, record.prev_op_version,
                            record.op_version)
-    half = _keep(cached, state.added_rows(spark, paths["half"], HALF, record.prev_half_version,
-                                          record.half_version))
+    half = state.added_rows(spark, paths["half"], HALF, record.prev_half_version,
+                            record.half_version, keep_slow=held.cache)
     answers = state.added_rows(spark, paths["answers"], state.CHECK_ANSWERS,
                                record.prev_answers_version, record.answers_version)
-    pending_prev = _keep(cached, state.read_state(spark, wh, record.state_versions, PENDING))
+    pending_prev = state.read_state(spark, wh, record.state_versions, PENDING)
     queues = state.read_state(spark, wh, record.state_versions, QUEUES)
 
     accepted, rejected_halves = T.split_halves(half, rules)
     messages = T.live_messages(pending_prev, accepted, rules)
-    live = T.message_keys(messages)
+    live = held.checkpoint(T.message_keys(messages))
     no_history = T.history_targets(state.empty(spark, RESOLVED), state.empty(spark, DISCARD))
-    classified = _keep(cached, T.classify_ops(ops, T.op_targets(live, no_history)))
-    classified, discard_hist = _with_history(spark, wh, record, classified, cached)
+    classified = held.checkpoint(T.classify_ops(ops, T.op_targets(live, no_history)))
+    classified, discard_hist = _with_history(spark, wh, record, classified, held)
     won = T.winners(classified)
     positions = T.queue_positions(won, queues)
     few_won = classified.where(F.col("outcome") == T.WIN).count() <= BROADCAST_MAX_ROWS
     undecided = T.remaining_pending(live, won, broadcast=few_won)
     decided = T.decide(T.apply_answers(undecided, answers), rules)
-    fates = _keep(cached, positions.unionByName(decided, allowMissingColumns=True))
+    fates = held.checkpoint(positions.unionByName(decided, allowMissingColumns=True))
     counts, delivered_by_topic = _count(half, answers, pending_prev, classified, fates, rules)
 
-    known = T.known_messages(messages, discard_hist)
-
-    def settled(decisions: tuple, rows: int, topic: str | None = None):
-        """The fates `decisions` (`rows` of them) with their messages."""
-        chosen, bodies = fates.where(F.col("decision").isin(*decisions)), known
-        if topic is not None:
-            chosen, bodies = chosen.where(F.col("topic") == topic), bodies.where(
-                F.col("topic") == topic)
-        return T.with_bodies(chosen, bodies, broadcast=rows <= BROADCAST_MAX_ROWS)
-
     c = counts
+    settled = T.with_bodies(fates, T.known_messages(messages, discard_hist),
+                            broadcast=_settled_rows(c) <= BROADCAST_MAX_ROWS)
+    if writing and _settled_rows(c) and (delivered_by_topic or _pending_changed(c)):
+        settled = held.checkpoint(settled)
+
+    def with_decision(*decisions: str):
+        return settled.where(F.col("decision").isin(*decisions))
+
+    delivered = with_decision(T.DELIVER)
     return _Outputs(
-        delivered={topic: T.deliveries(settled((T.DELIVER,), n, topic), rules).drop("topic")
-                   for topic, n in delivered_by_topic.items()},
-        requests=T.check_requests(settled((T.CHECK,), c["check_requests"]), rules),
-        discards=T.discards(settled((T.EXPIRED, T.MAX_CHECKS),
-                                    c["discarded_max_checks"] + c["discarded_expired"]), rules),
+        delivered={topic: T.deliveries(delivered.where(F.col("topic") == topic), rules)
+                   .drop("topic") for topic in delivered_by_topic},
+        requests=T.check_requests(with_decision(T.CHECK), rules),
+        discards=T.discards(with_decision(T.EXPIRED, T.MAX_CHECKS), rules),
         resolved=T.resolved_rows(won, rules),
         rejected=rejected_halves.unionByName(T.op_rejections(classified, rules)),
         queues=T.next_queues(queues, fates.where(F.col("decision") == T.DELIVER), rules),
-        pending=T.next_pending(settled((T.CHECK, T.WAIT), c["pending_after"]), rules),
+        pending=T.next_pending(with_decision(T.CHECK, T.WAIT), rules),
         counts=counts, delivered_by_topic=delivered_by_topic)
 
 
-def _keep(cached: list, df):
-    """`df`, cached, and remembered in `cached` for release at the run's end."""
-    cached.append(df.cache())
-    return df
+def _settled_rows(c: dict) -> int:
+    """How many messages this run delivers, discards or keeps pending: its fates."""
+    return (c["committed"] + c["pending_after"] + c["discarded_max_checks"]
+            + c["discarded_expired"])
 
 
-def _with_history(spark, wh: str, record: state.RunRecord, classified, cached: list):
+def _with_history(spark, wh: str, record: state.RunRecord, classified, held: Held):
     """(`classified` (`T.classify_ops` against the live messages), corrected
     for the OPs that match no live message by what the resolved and discard
     tables say of their messages; the discard rows read: an ADMIN OP may
@@ -392,7 +392,7 @@ def _with_history(spark, wh: str, record: state.RunRecord, classified, cached: l
         resolved = resolved.join(wanted, "half_offset", "left_semi")
         discarded = discarded.join(wanted, "half_offset", "left_semi")
     history = T.history_targets(resolved, discarded)
-    return _keep(cached, T.reclassify_with_history(classified, wanted, history)), discarded
+    return held.checkpoint(T.reclassify_with_history(classified, wanted, history)), discarded
 
 
 def _count(half, answers, pending_prev, classified, fates, rules: T.Rules) -> tuple[dict, dict]:
@@ -461,6 +461,10 @@ def _write_outputs(spark, wh: str, record: state.RunRecord, out: _Outputs,
 def _output_writes(wh: str, out: _Outputs) -> list[tuple]:
     """(DataFrame, table path, app id, save mode) of each table this run changes."""
     c, writes = out.counts, []
+    # usually the biggest first, so that the last to start is a small one: a
+    # row per resolved message, then the delivered rows, split by topic
+    if c["committed"] or c["rolled_back"]:
+        writes.append((out.resolved, table_path(wh, RESOLVED), RESOLVED.path, "append"))
     for topic in sorted(out.delivered):
         writes.append((out.delivered[topic], topic_path(wh, topic), f"topics/{topic}", "append"))
     if c["check_requests"]:
@@ -468,8 +472,6 @@ def _output_writes(wh: str, out: _Outputs) -> list[tuple]:
                        "append"))
     if c["discarded_max_checks"] or c["discarded_expired"]:
         writes.append((out.discards, table_path(wh, DISCARD), DISCARD.path, "append"))
-    if c["committed"] or c["rolled_back"]:
-        writes.append((out.resolved, table_path(wh, RESOLVED), RESOLVED.path, "append"))
     if c["rejected_halves"] or c["invalid_ops"] or c["late_ops"]:
         writes.append((out.rejected, table_path(wh, REJECTED), REJECTED.path, "append"))
     if out.delivered_by_topic:

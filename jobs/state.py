@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field, fields
+from typing import Callable
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -120,10 +121,13 @@ def log_holds(spark: SparkSession, path: str, version: int) -> bool:
 
 
 def added_rows(spark: SparkSession, path: str, table: TableSchema,
-               after: int, upto: int) -> DataFrame:
+               after: int, upto: int, *,
+               keep_slow: Callable[[DataFrame], DataFrame] | None = None) -> DataFrame:
     """Rows inserted in versions (after, upto], with their `commit_version`:
     the change data feed's inserts, read as parquet when the commits allow
-    (`jobs.appends`).
+    (`jobs.appends`). `keep_slow`: applied to the rows when they come from
+    the change feed's reader, which costs several times a parquet read (for
+    a caller reading them more than once, to cache them).
 
     Fails with HistoryGoneError when the log no longer holds version after+1:
     the job then cannot know what was added, and guessing could deliver a
@@ -142,7 +146,8 @@ def added_rows(spark: SparkSession, path: str, table: TableSchema,
     if files is not None:
         return (appends.read_appended(spark, files, table) if files
                 else empty(spark, table, with_commit_version=True))
-    return change_feed_inserts(spark, path, after, upto)
+    rows = change_feed_inserts(spark, path, after, upto)
+    return keep_slow(rows) if keep_slow is not None else rows
 
 
 def change_feed_inserts(spark: SparkSession, path: str, after: int, upto: int) -> DataFrame:

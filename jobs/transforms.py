@@ -265,9 +265,12 @@ def queue_positions(won: DataFrame, queues: DataFrame) -> DataFrame:
     order; `commit_ms` is the winning OP's store time."""
     base = queues.select("topic", "queue_id", "next_queue_offset")
     order = Window.partitionBy("topic", "queue_id").orderBy("commit_version", "op_offset")
+    # only what the ordering and the fate need: every row goes through a sort
     return (won.where(F.col("action") == "COMMIT")
+            .select("half_offset", "topic", "queue_id", "commit_version", "op_offset",
+                    "op_store_ms")
             .join(base, ["topic", "queue_id"], "left")
-            .select("half_offset", "transaction_id", "producer_group", "topic", "queue_id",
+            .select("half_offset", "topic", "queue_id",
                     (F.coalesce(F.col("next_queue_offset"), F.lit(0))
                      + F.row_number().over(order) - 1).alias("queue_offset"),
                     F.col("op_store_ms").alias("commit_ms"),
