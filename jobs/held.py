@@ -41,9 +41,9 @@ class Held:
         return done
 
     def cache(self, df: DataFrame) -> DataFrame:
-        """`df`, kept by Spark's cache once first computed: for a frame read
-        in part (a few columns) as often as whole, or one that may be large
-        and is not always read."""
+        """`df`, kept by Spark's cache from the first action that reads it:
+        for rows whose reader costs more than the cache (the change feed's),
+        read in part (a few columns) by some steps and whole by others."""
         kept = df.cache()
         self._releases.append(kept.unpersist)
         return kept

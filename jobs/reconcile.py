@@ -266,8 +266,8 @@ def _new_intent(spark, wh: str, last: state.RunRecord | None, cfg: Config,
 
 @dataclass
 class _Outputs:
-    """The run's output tables as DataFrames over what it keeps (`jobs.held`) and
-    decisions, and its counters. `delivered`: one DataFrame per topic."""
+    """The run's output tables as DataFrames over the rows it keeps
+    (`jobs.held`), and its counters. `delivered`: one DataFrame per topic."""
 
     delivered: dict
     requests: object
