@@ -314,8 +314,9 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held
     the decisions are each computed once and kept (`jobs.held`), and the
     counters come from them in one Spark job before any write. Then the
     decided messages are joined with their bodies in one pass, kept too, and
-    every output table is a filter of those rows: the new half rows are read
-    twice (keys, bodies), however many topics there are. Not `writing` (a
+    every output table is a filter of those rows: the bodies of the new half
+    rows are read once, however many topics there are (their key columns, a
+    small part of each file, by the rules and the counters). Not `writing` (a
     dry run): the counters only, the bodies are never read.
     """
     paths = state.input_paths(wh)

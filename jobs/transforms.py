@@ -16,8 +16,9 @@ Order of a run, top to bottom:
 
 The rules read only a message's keys (`message_keys`: ids, topic, queue,
 times, check counters). Its body, properties and the like are joined back
-onto the rows that carry them out (`with_bodies`), each output table's own
-rows once: the costly columns never go through the rules' joins and sorts.
+once, onto every decided message (`with_bodies`), and each output table
+takes its rows from there: the costly columns never go through the rules'
+joins and sorts.
 """
 from __future__ import annotations
 

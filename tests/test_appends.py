@@ -55,6 +55,22 @@ def test_a_delete_in_the_range_falls_back_to_the_change_feed(spark, warehouse):
                   .collect()) == [1, 2, 3]  # the rewrite inserts nothing
 
 
+def test_only_rows_from_the_change_feed_are_handed_to_keep_slow(spark, warehouse):
+    fx.write_halves(warehouse, fx.half(1))
+    path = table_path(warehouse, HALF)
+    kept = []
+
+    def keep(df):
+        kept.append(df)
+        return df
+    state.added_rows(spark, path, HALF, 0, 1, keep_slow=keep)  # a plain append: parquet
+    assert kept == []
+    DeltaTable(path).delete("half_offset = 1")
+    fx.write_halves(warehouse, fx.half(2))
+    rows = state.added_rows(spark, path, HALF, 0, 3, keep_slow=keep)
+    assert kept == [rows] and sorted(r.half_offset for r in rows.collect()) == [1, 2]
+
+
 def test_tables_it_cannot_read_as_written_are_left_to_the_change_feed(warehouse):
     assert appends.appended_files("s3a://bucket/_sys/half", 0, 3) is None
     path = f"{warehouse}/partitioned"

@@ -246,7 +246,6 @@ def test_after_admin_override_of_a_discard_producer_ops_stay_late(spark):
     assert got == {1: (T.LATE, "message discarded"), 2: (T.DUPLICATE, None)}
 
 
-
 def test_ops_naming_no_live_message_are_classified_again_against_the_history(spark):
     live_msg, old = fx.half(1), fx.half(2)
     ops = ops_df(spark, (fx.op(live_msg, op_offset=1), 1), (fx.op(old, "COMMIT", op_offset=2), 1),
@@ -262,6 +261,7 @@ def test_ops_naming_no_live_message_are_classified_again_against_the_history(spa
                                    (3, T.INVALID, T.UNKNOWN_OFFSET)]
     assert outcomes(again) == outcomes(T.classify_ops(ops, T.op_targets(live, history))) == [
         (1, T.WIN, None), (2, T.CONFLICT, None), (3, T.DUPLICATE, None)]
+
 
 # --- deliveries ------------------------------------------------------------------------
 
