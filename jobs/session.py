@@ -28,6 +28,13 @@ _DEFAULTS = {
     # job reads a dozen small logs per run, and that alone made an empty run
     # take ~60 s instead of ~20 s on 2 cores. Raise it on a cluster with huge logs.
     "spark.databricks.delta.snapshotPartitions": "2",
+    # Spark compiles the code it generates for each query, and keeps the last
+    # 100 classes by default; a run generates ~175, so in a long-lived session
+    # (a notebook, the tests, a benchmark) every run compiled all of them again
+    # (~3 s of compiling per run, and the JIT then compiles the new classes
+    # too). Identical code of later runs now reuses the compiled class. A
+    # cache entry is one class, ~10 KB of bytecode; static: set at start.
+    "spark.sql.codegen.cache.maxEntries": "1000",
     "spark.ui.enabled": "false",
     "spark.ui.showConsoleProgress": "false",
     "spark.driver.memory": "2g",

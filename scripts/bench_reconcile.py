@@ -6,8 +6,8 @@ In one invocation:
      the ratio 2/1 shows whether the run scales with what is new, not with history
      (target <= 1.3);
   3. the lower bound: Spark reading the same B new half + OP rows (as the job
-     reads them, jobs.appends) and writing the delivered rows once; ratio
-     run/lower bound (target <= 3);
+     reads them, jobs.appends) and writing the delivered rows once, measured
+     the second time it runs; ratio run/lower bound (target <= 3);
   4. the wall time of `txn-reconcile run` with nothing new, Spark start included,
      in a fresh process (target <= 20 s);
   5. a small run: SMALL new messages on the warehouse of run 1, in the same
@@ -169,6 +169,9 @@ def main(argv=None) -> None:
     fill(hist, h, b, args.body_bytes, NOW, leave_pending=True)
     t_hist, s_hist = timed(lambda: reconcile(spark, cfg(hist), now_ms=NOW + 1000))
 
+    # Twice, the second measured: the runs above reuse the code Spark compiled
+    # for the same plans in earlier runs, so the lower bound gets that too.
+    lower_bound(spark, hist, half_v, op_v, os.path.join(root, "lower_bound_warm_up"))
     t_lower = lower_bound(spark, hist, half_v, op_v, os.path.join(root, "lower_bound"))
 
     fill(fresh, b, SMALL, args.body_bytes, NOW, leave_pending=True)
@@ -187,7 +190,7 @@ def main(argv=None) -> None:
           f"rolled back {s_fresh.rolled_back:,}, pending {s_fresh.pending_after:,})")
     print(f"run over B, H = {h:<12,}: {t_hist:8.1f} s  (history run itself {t_build:.1f} s)")
     print(f"history ratio                : {t_hist / t_fresh:8.2f}   (target <= 1.3)")
-    print(f"lower bound (read B, write delivered once): {t_lower:.1f} s")
+    print(f"lower bound (read B, write delivered once; 2nd time): {t_lower:.1f} s")
     print(f"run / lower bound            : {t_hist / t_lower:8.2f}   (target <= 3)")
     print(f"empty run, new process       : {t_empty:8.1f} s  exit {empty.returncode} "
           f"(target <= 20 s)")
