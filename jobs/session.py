@@ -57,6 +57,11 @@ _WARNINGS_TO_STDERR = "-Xlog:disable -Xlog:all=warning:stderr"
 #: write): the C1 compiler only, whose code is ready sooner than C2's, and the
 #: serial collector, which starts no GC threads. Long runs need C2's code.
 SHORT_LIVED_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+#: for any other (G1) JVM: a full run keeps its intermediate rows on the heap
+#: (`jobs.held`), ~1 GB for a million messages, which G1's adaptive threshold
+#: took for a heap filling up, marking it over and over: 8-11 s of CPU per
+#: such run on 2 cores, 3 s with marking starting at 75 % occupancy
+LONG_RUN_GC = "-XX:-G1UseAdaptiveIHOP -XX:InitiatingHeapOccupancyPercent=75"
 
 
 def build_spark(app_name: str = "txn-reconcile", master: str | None = None,
@@ -96,7 +101,7 @@ def build_spark(app_name: str = "txn-reconcile", master: str | None = None,
 
 def driver_java_options(short_lived: bool = False, archive: Path = CLASS_ARCHIVE) -> str:
     """Options of a local driver JVM: the class archive when `make setup` made
-    one, and `SHORT_LIVED_JVM` for a short-lived process.
+    one, and `SHORT_LIVED_JVM` for a short-lived process, else `LONG_RUN_GC`.
 
     A JVM that cannot use the archive (another JDK, other jars) says so on
     stderr and starts without it.
@@ -104,8 +109,7 @@ def driver_java_options(short_lived: bool = False, archive: Path = CLASS_ARCHIVE
     options = [_WARNINGS_TO_STDERR]
     if archive.is_file():
         options.append(f"-XX:SharedArchiveFile={archive}")
-    if short_lived:
-        options.append(SHORT_LIVED_JVM)
+    options.append(SHORT_LIVED_JVM if short_lived else LONG_RUN_GC)
     return " ".join(options)
 
 

@@ -184,7 +184,27 @@ def classify_ops(ops: DataFrame, targets: DataFrame) -> DataFrame:
     the commit) wins; a message resolved by an earlier run has no winner here,
     so all its OPs compare against the earlier decision. PRODUCER and CHECK
     OPs for a discarded message are late; only ADMIN OPs may override a discard.
+
+    Only OPs naming the message's own transaction and group can be valid, so
+    the OPs are ranked per (half_offset, transaction_id, producer_group)
+    before they meet their message, and the join keeps that order: a sort of
+    the OPs alone, instead of one for the join and another of the joined rows.
     """
+    valid = F.col("action").isin(*ACTIONS) & F.col("source").isin(*SOURCES)
+    admin = valid & (F.col("source") == "ADMIN")
+    # valid OPs first, in commit order; the same for every candidate winner
+    order = (Window.partitionBy("half_offset", "transaction_id", "producer_group")
+             .orderBy(valid.desc(), F.col("commit_version"), F.col("op_offset")))
+    whole = order.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+    upto_here = order.rowsBetween(Window.unboundedPreceding, Window.currentRow)
+    ranked = (ops.repartition("half_offset")  # the join's partitioning: no second shuffle
+              .withColumn("_first", valid & (F.row_number().over(order) == 1))
+              .withColumn("_first_action",
+                          F.first(F.when(valid, F.col("action")), ignorenulls=True).over(whole))
+              # for a discarded message, only ADMIN OPs count
+              .withColumn("_first_admin", admin & (F.count(F.when(admin, 1)).over(upto_here) == 1))
+              .withColumn("_first_admin_action",
+                          F.first(F.when(admin, F.col("action")), ignorenulls=True).over(whole)))
     t = targets.select("half_offset",
                        F.col("transaction_id").alias("_t_txn"),
                        F.col("producer_group").alias("_t_group"),
@@ -196,28 +216,25 @@ def classify_ops(ops: DataFrame, targets: DataFrame) -> DataFrame:
                     F.lit("producer_group mismatch"))
               .when(F.col("transaction_id") != F.col("_t_txn"),
                     F.lit("transaction_id mismatch")))
-    late = F.coalesce(F.col("discarded"), F.lit(False)) & (F.col("source") != "ADMIN")
-    joined = (ops.join(t, "half_offset", "left")
+    discarded = F.coalesce(F.col("discarded"), F.lit(False))
+    late = discarded & (F.col("source") != "ADMIN")
+    first = F.when(discarded, F.col("_first_admin")).otherwise(F.col("_first"))
+    first_action = F.when(discarded, F.col("_first_admin_action")).otherwise(F.col("_first_action"))
+    decided = F.coalesce(F.col("prior_action"), first_action)
+    joined = (ranked.join(t, "half_offset", "left")
               .withColumn("_invalid", reason)
-              .withColumn("_late", F.col("_invalid").isNull() & late)
-              .withColumn("reason", F.coalesce(F.col("_invalid"),
-                                               F.when(F.col("_late"),
-                                                      F.lit("message discarded"))))
-              .withColumn("_eligible", F.col("reason").isNull()))
-    # Ineligible OPs sort last, so row 1 is the first eligible OP when there is one.
-    order = Window.partitionBy("half_offset").orderBy(
-        F.col("_eligible").desc(), F.col("commit_version"), F.col("op_offset"))
-    whole = order.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
-    first_action = F.first(F.when(F.col("_eligible"), F.col("action")), ignorenulls=True)
-    decided = F.coalesce(F.col("prior_action"), first_action.over(whole))
+              .withColumn("_late", F.col("_invalid").isNull() & late))
     outcome = (F.when(F.col("_late"), F.lit(LATE))
                .when(F.col("_invalid").isNotNull(), F.lit(INVALID))
-               .when(F.col("prior_action").isNull() & (F.row_number().over(order) == 1),
-                     F.lit(WIN))
+               .when(F.col("prior_action").isNull() & first, F.lit(WIN))
                .when(F.col("action") == decided, F.lit(DUPLICATE))
                .otherwise(F.lit(CONFLICT)))
-    return (joined.withColumn("outcome", outcome)
-            .drop("_t_txn", "_t_group", "prior_action", "_eligible", "_invalid", "_late"))
+    return (joined
+            .withColumn("reason", F.coalesce(F.col("_invalid"),
+                                             F.when(F.col("_late"), F.lit("message discarded"))))
+            .withColumn("outcome", outcome)
+            .drop("_t_txn", "_t_group", "prior_action", "_invalid", "_late", "_first",
+                  "_first_action", "_first_admin", "_first_admin_action"))
 
 
 def unmatched_op_keys(classified: DataFrame) -> DataFrame:

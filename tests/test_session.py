@@ -4,7 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jobs.session import DELTA_JAR, SHORT_LIVED_JVM, driver_java_options, resolved_jars
+from jobs.session import (DELTA_JAR, LONG_RUN_GC, SHORT_LIVED_JVM, driver_java_options,
+                          resolved_jars)
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -40,10 +41,12 @@ def test_the_class_archive_is_used_when_there_and_short_lived_flags_only_when_as
     archive = tmp_path / "spark-classes.jsa"
     plain = driver_java_options(archive=archive)
     assert "SharedArchiveFile" not in plain and SHORT_LIVED_JVM not in plain
+    assert plain.endswith(LONG_RUN_GC)
     assert "-Xlog:all=warning:stderr" in plain  # stdout stays the job's JSON
     archive.write_bytes(b"x")
     assert f"-XX:SharedArchiveFile={archive}" in driver_java_options(archive=archive)
     assert driver_java_options(True, archive).endswith(SHORT_LIVED_JVM)
+    assert LONG_RUN_GC not in driver_java_options(True, archive)
 
 
 def test_a_truncated_class_archive_is_never_installed(tmp_path):

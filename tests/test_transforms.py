@@ -201,6 +201,18 @@ def test_only_the_live_messages_no_valid_op_decided_remain_pending(spark):
     assert [r[0] for r in T.unmatched_op_keys(classified).collect()] == [99]
 
 
+def test_an_op_row_written_twice_wins_once(spark):
+    live_msg, old = fx.half(1), fx.half(2)
+    twice = [(fx.op(live_msg, op_offset=7), 3), (fx.op(live_msg, op_offset=7), 3),
+             (fx.op(old, op_offset=8, source="ADMIN"), 3),
+             (fx.op(old, op_offset=8, source="ADMIN"), 3)]
+    live = T.message_keys(pending_df(spark, live_msg))
+    history = _history(spark, discarded=[_discarded(old)])
+    classified = T.classify_ops(ops_df(spark, *twice), T.op_targets(live, history))
+    assert sorted((r.half_offset, r.outcome) for r in classified.collect()) == [
+        (1, T.DUPLICATE), (1, T.WIN), (2, T.DUPLICATE), (2, T.WIN)]
+
+
 def _history(spark, resolved=(), discarded=()):
     res = spark.createDataFrame(list(resolved), spark_schema(RESOLVED))
     dis = spark.createDataFrame(list(discarded), spark_schema(DISCARD))
