@@ -33,7 +33,7 @@ _DEFAULTS = {
     # (a notebook, the tests, a benchmark) every run compiled all of them again
     # (~3 s of compiling per run, and the JIT then compiles the new classes
     # too). Identical code of later runs now reuses the compiled class. A
-    # cache entry is one class, ~10 KB of bytecode; static: set at start.
+    # cache entry is one class, ~3 KB of bytecode; static: set at start.
     "spark.sql.codegen.cache.maxEntries": "1000",
     "spark.ui.enabled": "false",
     "spark.ui.showConsoleProgress": "false",
