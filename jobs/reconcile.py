@@ -158,9 +158,9 @@ def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSumm
     intent = _new_intent(spark, wh, last, cfg, now_ms)
     lease.keep_alive()
     if _nothing_to_do(last, intent):
-        summary = _record_idle_run(spark, wh, last, intent)
+        summary = _record_idle_run(wh, last, intent)
     else:
-        state.write_run_record(spark, wh, intent)
+        state.write_run_record(wh, intent)
         fault_point("after_intent")
         summary = _execute(spark, wh, intent, lease).summary
     summary.redone_run_id = redone
@@ -198,7 +198,7 @@ def idle_ahead(config: Config | dict, now_ms: int | None = None) -> bool:
             and intent.run_number % state.COMPACT_EVERY_RUNS != 0)
 
 
-def _record_idle_run(spark, wh: str, last: state.RunRecord,
+def _record_idle_run(wh: str, last: state.RunRecord,
                      intent: state.RunRecord) -> RunSummary:
     """The run record of a run with nothing to do, written as one COMMITTED
     row: with no other write there is nothing for an intent to make atomic."""
@@ -217,7 +217,7 @@ def _record_idle_run(spark, wh: str, last: state.RunRecord,
         duration_ms=0, run_number=intent.run_number, **intent.input_versions(),
         next_due_ms=prev.get("next_due_ms"), idle=True)
     summary.duration_ms = int((time.time() - started) * 1000)
-    _commit(spark, wh, intent, summary)
+    _commit(wh, intent, summary)
     return summary
 
 
@@ -300,7 +300,7 @@ def _execute(spark, wh: str, record: state.RunRecord, lease: Lease | None,
         summary = _summary(record, out, int((time.time() - started) * 1000))
         if write:
             lease.keep_alive()
-            record = _commit(spark, wh, record, summary)
+            record = _commit(wh, record, summary)
         return _Executed(record, summary)
     finally:
         held.release()
@@ -312,7 +312,7 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held
 
     The rules run on the messages' keys; the keys, the classified OPs and
     the decisions are each computed once and kept (`jobs.held`), and the
-    counters come from them in one Spark job before any write. Then the
+    counters come from them in one collect before any write. Then the
     decided messages are joined with their bodies in one pass, kept too, and
     every output table is a filter of those rows: the bodies of the new half
     rows are read once, however many topics there are (their key columns, a
@@ -341,7 +341,8 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held
     undecided = T.remaining_pending(live, won, broadcast=few_won)
     decided = T.decide(T.apply_answers(undecided, answers), rules)
     fates = held.checkpoint(positions.unionByName(decided, allowMissingColumns=True))
-    counts, delivered_by_topic = _count(half, answers, pending_prev, classified, fates, rules)
+    counts, queue_ends = _count(half, answers, pending_prev, classified, fates, rules)
+    delivered_by_topic = _delivered_by_topic(queue_ends)
 
     c = counts
     settled = T.with_bodies(fates, T.known_messages(messages, discard_hist),
@@ -360,7 +361,7 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held
         discards=T.discards(with_decision(T.EXPIRED, T.MAX_CHECKS), rules),
         resolved=T.resolved_rows(won, rules),
         rejected=rejected_halves.unionByName(T.op_rejections(classified, rules)),
-        queues=T.next_queues(queues, fates.where(F.col("decision") == T.DELIVER), rules),
+        queues=T.next_queues(queues, _queue_ends_frame(spark, queue_ends), rules),
         pending=T.next_pending(with_decision(T.CHECK, T.WAIT), rules),
         counts=counts, delivered_by_topic=delivered_by_topic)
 
@@ -396,10 +397,14 @@ def _with_history(spark, wh: str, record: state.RunRecord, classified, held: Hel
     return held.checkpoint(T.reclassify_with_history(classified, wanted, history)), discarded
 
 
-def _count(half, answers, pending_prev, classified, fates, rules: T.Rules) -> tuple[dict, dict]:
-    """(counters, delivered rows by topic) from one Spark job: one single-row
-    aggregate per input, cross-joined (each separate action costs a job's
-    latency)."""
+def _count(half, answers, pending_prev, classified, fates,
+           rules: T.Rules) -> tuple[dict, list[tuple]]:
+    """(counters, (topic, queue_id, rows delivered, last queue_offset) of
+    each queue delivered to) in one collect: a single-row aggregate per
+    input, each as a JSON object, in one union (each separate action costs
+    a job's latency; a cross join of the rows cost a chain of broadcasts,
+    one after another). The queues' last offsets give the next QUEUES table
+    without reading the deliveries again."""
     from functools import reduce
     n = F.count(F.lit(1))
     positions = fates.where(F.col("decision") == T.DELIVER)
@@ -410,7 +415,8 @@ def _count(half, answers, pending_prev, classified, fates, rules: T.Rules) -> tu
 
     outcome, action, decision = F.col("outcome"), F.col("action"), F.col("decision")
     still_pending = decision.isin(T.CHECK, T.WAIT)
-    by_topic = positions.groupBy("topic").agg(n.alias("n"))
+    by_queue = positions.groupBy("topic", "queue_id").agg(
+        n.alias("n"), F.max("queue_offset").alias("queue_offset"))
     parts = [
         half.agg(n.alias("half_read"),
                  where(T.half_reject_reason().isNotNull()).alias("rejected_halves")),
@@ -431,12 +437,31 @@ def _count(half, answers, pending_prev, classified, fates, rules: T.Rules) -> tu
             where(still_pending).alias("pending_after"),
             F.max(F.when(still_pending, F.col("age_ms"))).alias("oldest_pending_age_ms")),
         T.still_pending(decided, rules).agg(F.min(T.due_at_ms(rules)).alias("next_due_ms")),
-        by_topic.agg(F.map_from_entries(F.collect_list(F.struct("topic", "n")))
-                     .alias("delivered_by_topic")),
+        by_queue.agg(F.collect_list(F.struct("topic", "queue_id", "n", "queue_offset"))
+                     .alias("queue_ends")),
     ]
-    row = reduce(lambda a, b: a.crossJoin(b), parts).first().asDict()
-    by_topic = dict(sorted((row.pop("delivered_by_topic") or {}).items()))
-    return row, by_topic
+    as_json = [part.select(F.to_json(F.struct("*"), {"ignoreNullFields": "false"}))
+               for part in parts]
+    row: dict = {}
+    for (part,) in reduce(lambda a, b: a.union(b), as_json).collect():
+        row.update(json.loads(part))
+    ends = sorted((e["topic"], e["queue_id"], e["n"], e["queue_offset"])
+                  for e in row.pop("queue_ends") or ())
+    return row, ends
+
+
+def _delivered_by_topic(queue_ends: list[tuple]) -> dict[str, int]:
+    by_topic: dict[str, int] = {}
+    for topic, _queue_id, n, _last in queue_ends:
+        by_topic[topic] = by_topic.get(topic, 0) + n
+    return dict(sorted(by_topic.items()))
+
+
+def _queue_ends_frame(spark, queue_ends: list[tuple]):
+    """`_count`'s queue ends as the rows `T.next_queues` takes (the last
+    delivered queue_offset of each queue)."""
+    return spark.createDataFrame([(t, q, last) for t, q, _n, last in queue_ends],
+                                 "topic string, queue_id int, queue_offset bigint")
 
 
 def _write_outputs(spark, wh: str, record: state.RunRecord, out: _Outputs,
@@ -505,13 +530,13 @@ def _summary(record: state.RunRecord, out: _Outputs, duration_ms: int) -> RunSum
         **values)
 
 
-def _commit(spark, wh: str, record: state.RunRecord, summary: RunSummary) -> state.RunRecord:
+def _commit(wh: str, record: state.RunRecord, summary: RunSummary) -> state.RunRecord:
     d = summary.to_dict()
     done = state.RunRecord(**{**record.__dict__, "status": state.COMMITTED,
                               "ended_ms": int(time.time() * 1000),
                               "counters": d, "delivered_by_topic": summary.delivered_by_topic,
                               "summary_json": summary.to_json()})
-    state.write_run_record(spark, wh, done)
+    state.write_run_record(wh, done)
     fault_point("after_commit")
     return done
 

@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
+import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
@@ -22,6 +23,7 @@ from pyspark.sql.types import LongType
 from jobs import appends
 from schemas import (CHECK_ANSWERS, CHECK_REQUESTS, DISCARD, HALF, OP, PENDING, QUEUES,
                      REJECTED, RESOLVED, RUNS, TOPIC, TableSchema, table_path, topic_path)
+from schemas.arrow import arrow_schema
 from schemas.spark import spark_schema
 
 #: tables whose rows other parties read incrementally or with delta-rs: change data feed on
@@ -327,16 +329,23 @@ def last_run(warehouse: str) -> RunRecord | None:
     return RunRecord.from_row(rows[0])
 
 
-def write_run_record(spark: SparkSession, warehouse: str, record: RunRecord) -> None:
+def write_run_record(warehouse: str, record: RunRecord) -> None:
     """Append one row to `_sys/runs`, tagged like the run's other commits.
 
     Never a redo: a run's STARTED row is written once (a crash after it makes
     the next invocation redo that run, not write it again), and once its
     COMMITTED row is in, the run is not redone.
+
+    Written with delta-rs, like `last_run` reads it: a one-row commit takes
+    ~20 ms there against ~0.25 s through Spark's Delta writer, and every run
+    writes two, one after the other on its critical path (intent, commit).
+    The table is the same Delta table to Spark (verify, compaction).
     """
-    df = spark.createDataFrame([record.to_row()], spark_schema(RUNS))
-    write_for_run(df, table_path(warehouse, RUNS), record.run_number,
-                  f"{RUNS.path}:{record.status}")
+    from deltalake import CommitProperties, write_deltalake
+    row = pa.Table.from_pylist([record.to_row()], schema=arrow_schema(RUNS))
+    tag = run_tag(record.run_number, f"{RUNS.path}:{record.status}")
+    write_deltalake(table_path(warehouse, RUNS), row, mode="append",
+                    commit_properties=CommitProperties(custom_metadata={"userMetadata": tag}))
 
 
 def input_paths(warehouse: str) -> dict[str, str]:

@@ -327,7 +327,8 @@ def deliveries(settled: DataFrame, rules: Rules) -> DataFrame:
 
 
 def next_queues(queues: DataFrame, positions: DataFrame, rules: Rules) -> DataFrame:
-    """The QUEUES table after this run's deliveries (`queue_positions`)."""
+    """The QUEUES table after this run's deliveries (`queue_positions`, or
+    just each queue's last one: only the maximum queue_offset counts)."""
     moved = (positions.groupBy("topic", "queue_id")
              .agg((F.max("queue_offset") + 1).alias("next_queue_offset"))
              .withColumn("run_number", F.lit(rules.run_number)))
