@@ -52,6 +52,9 @@ _DEFAULTS = {
 #: (scripts/build_class_archive.py). Mapping them, instead of loading and
 #: verifying some 10,000 classes from the jars, saves seconds of every start.
 CLASS_ARCHIVE = JAR_LIST.parent / "spark-classes.jsa"
+#: the driver's logging: Spark's defaults at WARN, without the warnings every
+#: healthy run prints (each one is explained in the file)
+LOG_CONFIG = Path(__file__).resolve().parent.parent / "conf" / "log4j2.properties"
 #: JVM warnings (e.g. an archive this JDK cannot use) to stderr, not stdout:
 #: stdout carries the job's JSON summary
 _WARNINGS_TO_STDERR = "-Xlog:disable -Xlog:all=warning:stderr"
@@ -101,14 +104,18 @@ def build_spark(app_name: str = "txn-reconcile", master: str | None = None,
     return spark
 
 
-def driver_java_options(short_lived: bool = False, archive: Path = CLASS_ARCHIVE) -> str:
+def driver_java_options(short_lived: bool = False, archive: Path = CLASS_ARCHIVE,
+                        log_config: Path = LOG_CONFIG) -> str:
     """Options of a local driver JVM: the class archive when `make setup` made
-    one, and `SHORT_LIVED_JVM` for a short-lived process, else `LONG_RUN_GC`.
+    one, `LOG_CONFIG`, and `SHORT_LIVED_JVM` for a short-lived process, else
+    `LONG_RUN_GC`.
 
     A JVM that cannot use the archive (another JDK, other jars) says so on
     stderr and starts without it.
     """
     options = [_WARNINGS_TO_STDERR]
+    if log_config.is_file():
+        options.append(f"-Dlog4j2.configurationFile={log_config}")
     if archive.is_file():
         options.append(f"-XX:SharedArchiveFile={archive}")
     options.append(SHORT_LIVED_JVM if short_lived else LONG_RUN_GC)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import reduce
 from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession, Window
@@ -39,7 +40,7 @@ from pyspark.sql import functions as F
 
 from jobs import state
 from schemas import (CHECK_REQUESTS, DISCARD, HALF, OP, PENDING, QUEUES, REJECTED, RESOLVED,
-                     RUNS, TOPIC, table_path, topic_path)
+                     RUNS, TOPIC, TableSchema, table_path, topic_path)
 from schemas.spark import spark_schema
 from txn_core.config import as_config
 
@@ -123,10 +124,14 @@ def _read(spark: SparkSession, path: str, schema, version: int | None = None) ->
     return reader.load(path)
 
 
-def _with_versions(spark: SparkSession, path: str, schema, upto: int,
+def _with_versions(spark: SparkSession, path: str, table: TableSchema, upto: int,
                    notes: list[str]) -> DataFrame:
     """Every row inserted up to version `upto`, with its `cv` (commit version)
     and `dated` (whether `cv` is known).
+
+    The rows come as the job reads new rows (`state.added_rows`): the
+    appended files read as parquet where the commits allow, else the change
+    data feed, whose row-by-row reader costs several times as much.
 
     When the log no longer reaches back to version 0 (producer log retention,
     or the producers trimming it behind the job's cursor), the commit version
@@ -138,24 +143,18 @@ def _with_versions(spark: SparkSession, path: str, schema, upto: int,
     stays approximate (both count as read by the first run). The report says so.
     """
     if upto < 0 or not state.is_delta(path):
-        return (spark.createDataFrame([], schema).withColumn("cv", F.lit(None).cast("bigint"))
+        return (state.empty(spark, table).withColumn("cv", F.lit(None).cast("bigint"))
                 .withColumn("dated", F.lit(True)))
     if state.log_holds(spark, path, 0):
-        return (spark.read.format("delta").option("readChangeFeed", "true")
-                .option("startingVersion", 0).option("endingVersion", upto).load(path)
-                .where(F.col("_change_type") == "insert")
-                .withColumnRenamed("_commit_version", "cv")
-                .drop("_change_type", "_commit_timestamp")
-                .withColumn("dated", F.lit(True)))
+        return (state.added_rows(spark, path, table, -1, upto)
+                .withColumnRenamed("commit_version", "cv").withColumn("dated", F.lit(True)))
     notes.append(f"{path}: the log no longer holds version 0; rows older than the "
                  f"log are dated 0 (read by the first run), and their commit order is "
                  f"taken from the job's records")
     snap = spark.read.format("delta").option("versionAsOf", upto).load(path)
     known = spark.sql(f"DESCRIBE HISTORY delta.`{path}`").agg(F.min("version")).first()[0]
-    dated = (spark.read.format("delta").option("readChangeFeed", "true")
-             .option("startingVersion", known + 1).option("endingVersion", upto).load(path)
-             .where(F.col("_change_type") == "insert")
-             .select(*[F.col(c) for c in snap.columns], F.col("_commit_version").alias("cv")))
+    dated = (state.added_rows(spark, path, table, known, upto)
+             .select(*[F.col(c) for c in snap.columns], F.col("commit_version").alias("cv")))
     old = snap.join(dated.select(*snap.columns[:1]), snap.columns[:1], "left_anti")
     return (old.withColumn("cv", F.lit(0).cast("bigint")).withColumn("dated", F.lit(False))
             .unionByName(dated.withColumn("dated", F.lit(True))))
@@ -206,50 +205,301 @@ def _rules(run: dict) -> dict:
 
 # --- helpers ---------------------------------------------------------------
 
-def _canon(col: str) -> F.Column:
+def _canon(col: str, name: str) -> F.Column:
     """A comparable form of a column: maps become sorted entry arrays
     (Spark cannot compare maps), everything else stays as it is."""
-    if col == "properties":
+    if name == "properties":
         return F.array_sort(F.map_entries(F.col(col)))
     return F.col(col)
 
 
-def _show(col: str) -> F.Column:
-    if col == "body":
+def _show(col: str, name: str) -> F.Column:
+    if name == "body":
         return F.hex(F.col(col))
-    if col == "properties":
+    if name == "properties":
         return F.to_json(F.col(col))
     return F.col(col).cast("string")
 
 
-def _diff(df: DataFrame, kind: str, table: str | F.Column | None, expected, found) -> DataFrame:
-    def lit(v):
-        return v if isinstance(v, F.Column) else F.lit(v).cast("string")
-    return df.select(F.lit(kind).alias("kind"), lit(table).alias("table"),
-                     F.col("half_offset").cast("bigint").alias("half_offset"),
-                     F.col("transaction_id").cast("string").alias("transaction_id"),
-                     lit(expected).alias("expected"), lit(found).alias("found"))
+def _text(v) -> F.Column:
+    return v if isinstance(v, F.Column) else F.lit(v).cast("string")
 
 
-def _content_diffs(expected: DataFrame, found: DataFrame, table: str,
-                   columns=CONTENT) -> DataFrame:
-    """One difference per message whose copy in `found` differs from the half
-    row in `expected` (both keyed by half_offset), naming the columns that differ."""
-    e = expected.select("half_offset", *[_canon(c).alias(f"e_{c}") for c in columns],
-                        *[_show(c).alias(f"es_{c}") for c in columns])
-    f = found.select("half_offset", *[_canon(c).alias(f"f_{c}") for c in columns],
-                     *[_show(c).alias(f"fs_{c}") for c in columns])
-    j = e.join(f, "half_offset")
-    differing = [F.when(~F.col(f"e_{c}").eqNullSafe(F.col(f"f_{c}")), F.lit(c)) for c in columns]
-    j = j.withColumn("_cols", F.array_compact(F.array(*differing)))
-    bad = j.where(F.size("_cols") > 0).withColumn("transaction_id", F.col("es_transaction_id"))
+def _check(when: F.Column, kind: str, table, expected, found,
+           transaction_id: str = "transaction_id") -> F.Column:
+    """One difference, as a struct, for the rows where `when` holds (null elsewhere)."""
+    return F.when(when, F.struct(
+        F.lit(kind).alias("kind"), _text(table).alias("table"),
+        F.col("half_offset").cast("bigint").alias("half_offset"),
+        F.col(transaction_id).cast("string").alias("transaction_id"),
+        _text(expected).alias("expected"), _text(found).alias("found")))
+
+
+def _differences(df: DataFrame, *checks: F.Column) -> DataFrame:
+    """The differences `checks` find in the rows of `df`: several checks
+    over one join, so that each table is joined with the expectation once."""
+    return (df.select(F.explode(F.array_compact(F.array(*checks))).alias("d"))
+            .select("d.*"))
+
+
+def _diff(df: DataFrame, kind: str, table, expected, found) -> DataFrame:
+    return _differences(df, _check(F.lit(True), kind, table, expected, found))
+
+
+def _found(rows: DataFrame) -> DataFrame:
+    """A table's rows, every column but half_offset prefixed `f_`, to sit beside
+    the expected message after a join (`f_row` is null where there is none)."""
+    return rows.select("half_offset", F.lit(True).alias("f_row"),
+                       *[F.col(c).alias(f"f_{c}") for c in rows.columns if c != "half_offset"])
+
+
+def _content_check(when: F.Column, table, columns=CONTENT) -> F.Column:
+    """The row (`f_` columns) does not carry its message's content unchanged;
+    names the columns that differ, with both values."""
+    differs = {c: ~_canon(c, c).eqNullSafe(_canon(f"f_{c}", c)) for c in columns}
 
     def describe(prefix):
-        return F.concat_ws("; ", *[F.when(F.array_contains("_cols", c),
-                                          F.concat(F.lit(f"{c}="), F.coalesce(
-                                              F.col(f"{prefix}_{c}"), F.lit("null"))))
-                                   for c in columns])
-    return _diff(bad, "content_mismatch", table, describe("es"), describe("fs"))
+        # concat_ws skips the nulls: the columns that are equal
+        return F.concat_ws("; ", *[F.when(differs[c], F.concat(
+            F.lit(f"{c}="), F.coalesce(_show(f"{prefix}{c}", c), F.lit("null"))))
+            for c in columns])
+    any_differs = reduce(lambda a, b: a | b, differs.values())
+    return _check(when & any_differs, "content_mismatch", table,
+                  describe(""), describe("f_"))
+
+
+def _duplicates(rows: DataFrame, kind: str, table: str) -> DataFrame:
+    per_msg = rows.groupBy("half_offset").agg(F.count("*").alias("n"),
+                                              F.first("transaction_id").alias("transaction_id"))
+    return _diff(per_msg.where("n > 1"), kind, table, "1 row",
+                 F.concat(F.col("n").cast("string"), F.lit(" rows")))
+
+
+def _fate_text() -> F.Column:
+    return F.concat(F.lit("no row (message "),
+                    F.coalesce(F.col("fate"), F.lit("not judged or unknown")), F.lit(")"))
+
+
+def _is(*fates: str) -> F.Column:
+    return F.coalesce(F.col("fate").isin(*fates), F.lit(False))
+
+
+# --- the audit of each output table ------------------------------------------
+# `expected` holds every judged message once, with its recomputed fate, its
+# content, its winning OP (`w_*`) and, if delivered, its queue offset. Each
+# table is joined with it once, on half_offset, and every rule of that table
+# is a check over the joined rows.
+
+def _topic_differences(delivered_rows: DataFrame, expected: DataFrame) -> list[DataFrame]:
+    """Real topics (I3): exactly one row per delivered message, nowhere else,
+    with its content, commit order and commit time; queues dense from 0."""
+    t = expected.join(_found(delivered_rows), "half_offset", "full")
+    row, delivered = F.col("f_row").isNotNull(), _is(DELIVERED)
+    found_in = F.concat(F.lit("topics/"), F.col("f_found_topic"))
+    both = row & delivered
+    # Dense from 0 without duplicates, whatever the expectation says.
+    q = Window.partitionBy("found_topic", "queue_id").orderBy("queue_offset", "half_offset")
+    dense = delivered_rows.withColumn("_rank", F.row_number().over(q) - 1)
+    return [
+        _differences(
+            t,
+            _check(delivered & ~row, "missing_delivery",
+                   F.concat(F.lit("topics/"), F.col("topic")), "1 row", "none"),
+            _check(row & ~delivered, "unexpected_delivery", found_in, _fate_text(),
+                   "a delivered row", transaction_id="f_transaction_id"),
+            _check(both & (F.col("f_found_topic") != F.col("topic")), "wrong_topic", found_in,
+                   F.col("topic"), F.col("f_found_topic"), transaction_id="f_transaction_id"),
+            _content_check(both, "topics"),
+            _check(both & (F.col("f_queue_offset") != F.col("exp_queue_offset")),
+                   "queue_offset_order", found_in, F.col("exp_queue_offset").cast("string"),
+                   F.col("f_queue_offset").cast("string"), transaction_id="f_transaction_id"),
+            _check(both & (F.col("f_commit_ms") != F.col("w_store_ms")), "commit_ms_mismatch",
+                   found_in, F.col("w_store_ms").cast("string"),
+                   F.col("f_commit_ms").cast("string"), transaction_id="f_transaction_id")),
+        _duplicates(delivered_rows, "duplicate_delivery", "topics"),
+        _diff(dense.where(F.col("queue_offset") != F.col("_rank")), "queue_offset_not_dense",
+              F.concat(F.lit("topics/"), F.col("found_topic"), F.lit(" queue "),
+                       F.col("queue_id").cast("string")),
+              F.col("_rank").cast("string"), F.col("queue_offset").cast("string")),
+    ]
+
+
+def _pending_differences(pending: DataFrame, expected: DataFrame) -> list[DataFrame]:
+    """Pending: exactly the undecided, undiscarded judged halves, unchanged."""
+    p = expected.join(_found(pending), "half_offset", "full")
+    row, waiting = F.col("f_row").isNotNull(), _is(PENDING_FATE)
+    return [
+        _differences(
+            p,
+            _check(waiting & ~row, "missing_pending", PENDING.path, "a pending row", "none"),
+            _check(row & ~waiting, "unexpected_pending", PENDING.path, _fate_text(),
+                   "a pending row", transaction_id="f_transaction_id"),
+            _content_check(row & waiting, PENDING.path,
+                           CONTENT + ("store_ms", "check_immunity_s"))),
+        _duplicates(pending, "duplicate_pending", PENDING.path),
+    ]
+
+
+def _resolved_differences(resolved: DataFrame, expected: DataFrame) -> list[DataFrame]:
+    """The job's incremental state: one resolved row per decided message, as recomputed."""
+    r = expected.join(_found(resolved), "half_offset", "full")
+    row, decided = F.col("f_row").isNotNull(), _is(DELIVERED, ROLLED_BACK)
+    differs = ((F.col("f_action") != F.col("w_action"))
+               | (F.col("f_op_offset") != F.col("w_op_offset"))
+               | (F.col("f_source") != F.col("w_source"))
+               | ((F.col("f_op_version") != F.col("w_cv")) & F.col("w_dated")))
+    return [
+        _differences(
+            r,
+            _check(decided & ~row, "missing_resolved", RESOLVED.path,
+                   F.concat(F.col("w_action"), F.lit(" by op_offset "),
+                            F.col("w_op_offset").cast("string")), "none"),
+            _check(row & ~decided, "unexpected_resolved", RESOLVED.path, "no row",
+                   F.concat(F.col("f_action"), F.lit(" by op_offset "),
+                            F.col("f_op_offset").cast("string")),
+                   transaction_id="f_transaction_id"),
+            _check(row & decided & differs, "resolved_mismatch", RESOLVED.path,
+                   F.concat_ws(" ", F.col("w_action"), F.col("w_source"), F.lit("op_offset"),
+                               F.col("w_op_offset").cast("string"), F.lit("version"),
+                               F.col("w_cv").cast("string")),
+                   F.concat_ws(" ", F.col("f_action"), F.col("f_source"), F.lit("op_offset"),
+                               F.col("f_op_offset").cast("string"), F.lit("version"),
+                               F.col("f_op_version").cast("string")))),
+        _duplicates(resolved, "duplicate_resolved", RESOLVED.path),
+    ]
+
+
+def _discard_differences(discard_dated: DataFrame, per_half_discard: DataFrame,
+                         expected: DataFrame, requests: DataFrame) -> list[DataFrame]:
+    """Discards: by committed runs, at most one per message, only of undecided
+    messages, each following the rule it names at the clock of its run, and
+    carrying its message unchanged."""
+    unknown_run = F.col("run_number").isNull()
+    n_requests = requests.groupBy("half_offset").agg(F.count("*").alias("n_requests"))
+    d = (_found(discard_dated.where(~unknown_run))
+         .join(expected.withColumn("e_row", F.lit(True)), "half_offset", "left")
+         .join(n_requests, "half_offset", "left"))
+    judged = F.col("e_row").isNotNull()
+    age = F.greatest(F.col("f_run_now_ms") - F.col("store_ms"), F.lit(0))
+    requests_n = F.coalesce(F.col("n_requests"), F.lit(0))
+    bad_expired = (F.col("f_reason") == "EXPIRED") & F.col("f_reserved_ms").isNotNull() \
+        & (age <= F.col("f_reserved_ms"))
+    bad_max = (F.col("f_reason") == "MAX_CHECKS") & F.col("f_check_max").isNotNull() & (
+        (F.col("f_check_times") != requests_n)
+        | ((F.col("f_check_budget") == "sent") & (F.col("f_check_times") != F.col("f_check_max")))
+        | (F.col("f_check_times") < F.col("f_check_max")))
+    bad_reason = ~F.col("f_reason").isin("EXPIRED", "MAX_CHECKS")
+    return [
+        _diff(discard_dated.where(unknown_run), "discard_by_unknown_run", DISCARD.path,
+              "run_id of a committed run", F.col("run_id")),
+        _diff(per_half_discard.where("n_discards > 1").withColumnRenamed("d_txn",
+                                                                        "transaction_id"),
+              "duplicate_discard", DISCARD.path, "at most 1 discard row",
+              F.concat(F.col("n_discards").cast("string"), F.lit(" rows"))),
+        # A discard the run could not have made: the message was already decided.
+        _diff(expected.where(F.col("w_before_discard")
+                             | (F.col("bad_half") & (F.col("n_discards") > 0))),
+              "discard_of_decided_message", DISCARD.path,
+              F.concat(F.lit("no discard; decided by op_offset "),
+                       F.coalesce(F.col("w_op_offset").cast("string"),
+                                  F.lit("(rejected half)"))),
+              F.lit("a discard row")),
+        _differences(
+            d,
+            _check(~judged, "discard_without_half", DISCARD.path, "a judged half row", "none",
+                   transaction_id="f_transaction_id"),
+            _check(judged & (bad_expired | bad_max | bad_reason), "discard_rule_violated",
+                   DISCARD.path,
+                   F.concat(F.lit("EXPIRED: age > "), F.col("f_reserved_ms").cast("string"),
+                            F.lit(" ms; MAX_CHECKS: check_times = requests >= check_max = "),
+                            F.col("f_check_max").cast("string")),
+                   F.concat(F.col("f_reason"), F.lit(" age="), age.cast("string"),
+                            F.lit(" check_times="), F.col("f_check_times").cast("string"),
+                            F.lit(" requests="), requests_n.cast("string")),
+                   transaction_id="f_transaction_id"),
+            _content_check(judged, DISCARD.path, CONTENT + ("store_ms", "check_immunity_s"))),
+    ]
+
+
+def _queue_differences(expected: DataFrame, queues: DataFrame) -> DataFrame:
+    """Next queue offsets carried by the job continue exactly after the last row."""
+    rows_per_queue = expected.where(_is(DELIVERED)).groupBy("topic", "queue_id").agg(
+        F.count("*").alias("n_expected"))
+    qj = rows_per_queue.join(queues.select("topic", "queue_id", "next_queue_offset"),
+                             ["topic", "queue_id"], "full_outer")
+    n_expected = F.coalesce(F.col("n_expected"), F.lit(0))
+    return _diff(qj.where(~n_expected.eqNullSafe(F.coalesce(F.col("next_queue_offset"),
+                                                             F.lit(0))))
+                 .withColumn("half_offset", F.lit(None))
+                 .withColumn("transaction_id", F.lit(None)),
+                 "queue_state_mismatch",
+                 F.concat(F.lit(QUEUES.path + " "), F.col("topic"), F.lit(" queue "),
+                          F.col("queue_id").cast("string")),
+                 n_expected.cast("string"), F.col("next_queue_offset").cast("string"))
+
+
+def _rejected_differences(expected: DataFrame, ops: DataFrame,
+                          rejected: DataFrame) -> list[DataFrame]:
+    """Rejected halves are recorded as such, and so is every OP never applied
+    (invalid, or late after a discard: I6), and no other."""
+    rej_halves = rejected.where(F.col("source_table") == HALF.path).select(
+        F.col("row_offset").alias("half_offset")).distinct()
+    rej_ops = (rejected.where(F.col("source_table") == OP.path)
+               .select(F.col("row_offset").alias("op_offset"), F.lit(True).alias("recorded"))
+               .distinct())
+    o = ops.join(rej_ops, "op_offset", "left")
+    recorded, applied = F.col("recorded").isNotNull(), F.col("valid") & ~F.col("late")
+    return [
+        _diff(expected.where(_is(REJECTED_FATE)).join(rej_halves, "half_offset", "left_anti"),
+              "missing_rejected", REJECTED.path, "a rejected row", "none"),
+        _differences(
+            o,
+            _check(~applied & ~recorded, "unrecorded_rejected_op", REJECTED.path,
+                   F.concat(F.lit("a rejected row for op_offset "),
+                            F.col("op_offset").cast("string")), F.lit("none")),
+            _check(applied & recorded, "valid_op_rejected", REJECTED.path,
+                   F.concat(F.lit("op_offset "), F.col("op_offset").cast("string"),
+                            F.lit(" valid")), F.lit("recorded as rejected"))),
+    ]
+
+
+def _raw_duplicates(half: DataFrame, op: DataFrame) -> list[DataFrame]:
+    """I1: offsets unique in the raw tables."""
+    dup_op = (op.groupBy("op_offset")
+              .agg(F.count("*").alias("n"), F.first("transaction_id").alias("transaction_id"),
+                   F.first("half_offset").alias("half_offset"))
+              .where("n > 1"))
+    return [
+        _duplicates(half, "duplicate_half_offset", HALF.path),
+        _diff(dup_op, "duplicate_op_offset", OP.path, "1 row per op_offset",
+              F.concat(F.col("n").cast("string"), F.lit(" rows with op_offset "),
+                       F.col("op_offset").cast("string"))),
+    ]
+
+
+def _expected(judged: DataFrame, winners: DataFrame, per_half_discard: DataFrame,
+              delivered_rows: DataFrame) -> DataFrame:
+    """Every judged half once, with its fate and, if delivered, the queue
+    offset it should have: per (topic, queue_id), dense, in the winners'
+    commit order (among winners older than the log, the job's queue order).
+    Partitioned by half_offset, so that joining each table with it moves only
+    that table's rows."""
+    fate = (judged.join(winners, "half_offset", "left")
+            .join(per_half_discard.select("half_offset", "n_discards"), "half_offset", "left")
+            .withColumn("fate", F.when(F.col("bad_half"), F.lit(REJECTED_FATE))
+                        .when(F.col("w_action") == "COMMIT", F.lit(DELIVERED))
+                        .when(F.col("w_action") == "ROLLBACK", F.lit(ROLLED_BACK))
+                        .when(F.col("n_discards") > 0, F.lit(DISCARDED))
+                        .otherwise(F.lit(PENDING_FATE))))
+    found_at = delivered_rows.groupBy("half_offset").agg(F.min("queue_offset").alias("found_at"))
+    delivered = F.col("fate") == DELIVERED
+    qorder = (Window.partitionBy("topic", "queue_id", delivered)
+              .orderBy("w_cv", "undated_at", "w_op_offset"))
+    return (fate.join(found_at, "half_offset", "left")
+            .withColumn("undated_at", F.when(~F.col("w_dated"), F.col("found_at")))
+            .withColumn("exp_queue_offset", F.when(delivered, F.row_number().over(qorder) - 1))
+            .drop("found_at", "undated_at")
+            .repartition("half_offset"))
 
 
 # --- the audit ----------------------------------------------------------------
@@ -285,8 +535,8 @@ def verify(spark: SparkSession, config) -> VerifyReport:
                                             "run_now_ms bigint, reserved_ms bigint, "
                                             "check_max bigint, check_budget string")
 
-    half = _with_versions(spark, table_path(wh, HALF), spark_schema(HALF), half_upto, notes)
-    op = _with_versions(spark, table_path(wh, OP), spark_schema(OP), op_upto, notes)
+    half = _with_versions(spark, table_path(wh, HALF), HALF, half_upto, notes)
+    op = _with_versions(spark, table_path(wh, OP), OP, op_upto, notes)
     half = half.cache()
     op = op.cache()
 
@@ -321,22 +571,6 @@ def verify(spark: SparkSession, config) -> VerifyReport:
             "found_topic", F.lit(None).cast("string"))
     delivered_rows = delivered_rows.cache()
 
-    diffs: list[DataFrame] = []
-
-    # I1: offsets unique in the raw tables.
-    dup_half = (half.groupBy("half_offset")
-                .agg(F.count("*").alias("n"), F.first("transaction_id").alias("transaction_id"))
-                .where("n > 1"))
-    diffs.append(_diff(dup_half, "duplicate_half_offset", HALF.path, "1 row",
-                       F.concat(F.col("n").cast("string"), F.lit(" rows"))))
-    dup_op = (op.groupBy("op_offset")
-              .agg(F.count("*").alias("n"), F.first("transaction_id").alias("transaction_id"),
-                   F.first("half_offset").alias("half_offset"))
-              .where("n > 1"))
-    diffs.append(_diff(dup_op, "duplicate_op_offset", OP.path, "1 row per op_offset",
-                       F.concat(F.col("n").cast("string"), F.lit(" rows with op_offset "),
-                                F.col("op_offset").cast("string"))))
-
     # Halves: the rows the broker core would not have written are set aside.
     system = F.lit(False)
     for prefix in SYSTEM_TOPIC_PREFIXES:
@@ -351,18 +585,11 @@ def verify(spark: SparkSession, config) -> VerifyReport:
         F.broadcast(runs.select("run_id", "run_number", F.col("op_hi").alias("d_op_version"),
                                 "run_now_ms", "reserved_ms", "check_max", "check_budget")),
         "run_id", "left")
-    diffs.append(_diff(discard_dated.where(F.col("run_number").isNull()),
-                       "discard_by_unknown_run", DISCARD.path, "run_id of a committed run",
-                       F.col("run_id")))
-    discard_dated = discard_dated.where(F.col("run_number").isNotNull())
-    per_half_discard = (discard_dated.groupBy("half_offset")
+    per_half_discard = (discard_dated.where(F.col("run_number").isNotNull())
+                        .groupBy("half_offset")
                         .agg(F.count("*").alias("n_discards"),
                              F.min("d_op_version").alias("d_op_version"),
                              F.first("transaction_id").alias("d_txn")))
-    diffs.append(_diff(per_half_discard.where("n_discards > 1")
-                       .withColumnRenamed("d_txn", "transaction_id"),
-                       "duplicate_discard", DISCARD.path, "at most 1 discard row",
-                       F.concat(F.col("n_discards").cast("string"), F.lit(" rows"))))
 
     # OPs: date each by the run that read it, then validate against its half.
     o = op.join(F.broadcast(runs.select("run_number", "op_lo", "op_hi", "run_half_version")),
@@ -377,13 +604,13 @@ def verify(spark: SparkSession, config) -> VerifyReport:
              & F.col("action").isin(*ACTIONS) & F.col("source").isin(*SOURCES))
     late = F.col("d_op_version").isNotNull() & (F.col("cv") > F.col("d_op_version")) \
         & (F.col("source") != "ADMIN")
-    o = (o.withColumn("valid", F.coalesce(valid, F.lit(False)))
-         .withColumn("late", F.col("valid") & F.coalesce(late, F.lit(False)))
-         .withColumn("eligible", F.col("valid") & ~F.col("late"))).cache()
+    ops = (o.withColumn("valid", F.coalesce(valid, F.lit(False)))
+           .withColumn("late", F.col("valid") & F.coalesce(late, F.lit(False)))
+           .withColumn("eligible", F.col("valid") & ~F.col("late"))).cache()
     # Among OPs older than the log, the job's recorded winner goes first.
     job_pick = (resolved.dropDuplicates(["half_offset", "op_offset"])
                 .select("half_offset", "op_offset", F.lit(0).alias("job_pick")))
-    o = (o.join(job_pick, ["half_offset", "op_offset"], "left")
+    o = (ops.join(job_pick, ["half_offset", "op_offset"], "left")
          .withColumn("job_pick", F.when(F.col("dated"), 1)
                      .otherwise(F.coalesce(F.col("job_pick"), F.lit(1)))))
     first = Window.partitionBy("half_offset").orderBy("cv", "job_pick", "op_offset")
@@ -399,180 +626,15 @@ def verify(spark: SparkSession, config) -> VerifyReport:
 
     # The expected fate of every judged half: the full anti-join.
     judged = halves.where(F.col("half_cv") <= F.lit(half_upto))
-    fate = (judged.join(winners, "half_offset", "left")
-            .join(per_half_discard.select("half_offset", "n_discards"), "half_offset", "left")
-            .withColumn("fate", F.when(F.col("bad_half"), F.lit(REJECTED_FATE))
-                        .when(F.col("w_action") == "COMMIT", F.lit(DELIVERED))
-                        .when(F.col("w_action") == "ROLLBACK", F.lit(ROLLED_BACK))
-                        .when(F.col("n_discards") > 0, F.lit(DISCARDED))
-                        .otherwise(F.lit(PENDING_FATE)))).cache()
-    # Expected queue offsets: per (topic, queue_id), dense, in the winners' commit order.
-    # Among winners older than the log, the job's queue order is taken.
-    found_at = delivered_rows.groupBy("half_offset").agg(F.min("queue_offset").alias("found_at"))
-    qorder = Window.partitionBy("topic", "queue_id").orderBy("w_cv", "undated_at", "w_op_offset")
-    expected_delivered = (fate.where(F.col("fate") == DELIVERED)
-                          .join(found_at, "half_offset", "left")
-                          .withColumn("undated_at", F.when(~F.col("w_dated"), F.col("found_at")))
-                          .withColumn("exp_queue_offset", F.row_number().over(qorder) - 1)
-                          .drop("found_at", "undated_at"))
+    expected = _expected(judged, winners, per_half_discard, delivered_rows).cache()
 
-    # A discard that the run could not have made: the message was already decided.
-    diffs.append(_diff(fate.where(F.col("w_before_discard") | (F.col("bad_half")
-                                                               & (F.col("n_discards") > 0))),
-                       "discard_of_decided_message", DISCARD.path,
-                       F.concat(F.lit("no discard; decided by op_offset "),
-                                F.coalesce(F.col("w_op_offset").cast("string"),
-                                           F.lit("(rejected half)"))),
-                       F.lit("a discard row")))
-    # A discard must follow the rule it names, at the clock of the run that wrote it.
-    dd = discard_dated.join(judged.select("half_offset", F.col("store_ms").alias("h_store_ms")),
-                            "half_offset", "left")
-    n_requests = requests.groupBy("half_offset").agg(F.count("*").alias("n_requests"))
-    dd = dd.join(n_requests, "half_offset", "left")
-    age = F.greatest(F.col("run_now_ms") - F.col("h_store_ms"), F.lit(0))
-    bad_expired = (F.col("reason") == "EXPIRED") & F.col("reserved_ms").isNotNull() \
-        & (age <= F.col("reserved_ms"))
-    bad_max = (F.col("reason") == "MAX_CHECKS") & F.col("check_max").isNotNull() & (
-        (F.col("check_times") != F.coalesce(F.col("n_requests"), F.lit(0)))
-        | ((F.col("check_budget") == "sent") & (F.col("check_times") != F.col("check_max")))
-        | (F.col("check_times") < F.col("check_max")))
-    bad_reason = ~F.col("reason").isin("EXPIRED", "MAX_CHECKS")
-    diffs.append(_diff(dd.where(F.col("h_store_ms").isNull()), "discard_without_half",
-                       DISCARD.path, "a judged half row", "none"))
-    diffs.append(_diff(
-        dd.where(F.col("h_store_ms").isNotNull() & (bad_expired | bad_max | bad_reason)),
-        "discard_rule_violated", DISCARD.path,
-        F.concat(F.lit("EXPIRED: age > "), F.col("reserved_ms").cast("string"),
-                 F.lit(" ms; MAX_CHECKS: check_times = requests >= check_max = "),
-                 F.col("check_max").cast("string")),
-        F.concat(F.col("reason"), F.lit(" age="), age.cast("string"),
-                 F.lit(" check_times="), F.col("check_times").cast("string"),
-                 F.lit(" requests="), F.coalesce(F.col("n_requests"), F.lit(0)).cast("string"))))
-    diffs.append(_content_diffs(judged, discard_dated.dropDuplicates(["half_offset"]),
-                                DISCARD.path, CONTENT + ("store_ms", "check_immunity_s")))
-
-    # Real topics (I3): exactly one row per delivered message, nowhere else.
-    per_msg = delivered_rows.groupBy("half_offset").agg(
-        F.count("*").alias("n_rows"), F.first("transaction_id").alias("transaction_id"))
-    diffs.append(_diff(per_msg.where("n_rows > 1"), "duplicate_delivery", "topics",
-                       "1 row", F.concat(F.col("n_rows").cast("string"), F.lit(" rows"))))
-    exp = expected_delivered.select("half_offset", "transaction_id", "topic")
-    diffs.append(_diff(exp.join(per_msg.select("half_offset"), "half_offset", "left_anti"),
-                       "missing_delivery", F.concat(F.lit("topics/"), F.col("topic")),
-                       "1 row", "none"))
-    unexpected = (delivered_rows.select("half_offset", "transaction_id", "found_topic")
-                  .join(exp.select("half_offset"), "half_offset", "left_anti")
-                  .join(fate.select("half_offset", "fate"), "half_offset", "left"))
-    diffs.append(_diff(unexpected, "unexpected_delivery",
-                       F.concat(F.lit("topics/"), F.col("found_topic")),
-                       F.concat(F.lit("no row (message "),
-                                F.coalesce(F.col("fate"), F.lit("not judged or unknown")),
-                                F.lit(")")), F.lit("a delivered row")))
-    found_one = delivered_rows.join(exp.select("half_offset", F.col("topic").alias("e_topic")),
-                                    "half_offset")
-    diffs.append(_diff(found_one.where(F.col("found_topic") != F.col("e_topic")),
-                       "wrong_topic", F.concat(F.lit("topics/"), F.col("found_topic")),
-                       F.col("e_topic"), F.col("found_topic")))
-    diffs.append(_content_diffs(expected_delivered, delivered_rows, "topics"))
-    placed = delivered_rows.join(
-        expected_delivered.select("half_offset", "exp_queue_offset", "w_store_ms"), "half_offset")
-    diffs.append(_diff(placed.where(F.col("queue_offset") != F.col("exp_queue_offset")),
-                       "queue_offset_order", F.concat(F.lit("topics/"), F.col("found_topic")),
-                       F.col("exp_queue_offset").cast("string"),
-                       F.col("queue_offset").cast("string")))
-    diffs.append(_diff(placed.where(F.col("commit_ms") != F.col("w_store_ms")),
-                       "commit_ms_mismatch", F.concat(F.lit("topics/"), F.col("found_topic")),
-                       F.col("w_store_ms").cast("string"), F.col("commit_ms").cast("string")))
-    # Dense from 0 without duplicates, whatever the expectation says.
-    q = Window.partitionBy("found_topic", "queue_id").orderBy("queue_offset", "half_offset")
-    dense = delivered_rows.withColumn("_rank", F.row_number().over(q) - 1)
-    diffs.append(_diff(dense.where(F.col("queue_offset") != F.col("_rank")),
-                       "queue_offset_not_dense",
-                       F.concat(F.lit("topics/"), F.col("found_topic"), F.lit(" queue "),
-                                F.col("queue_id").cast("string")),
-                       F.col("_rank").cast("string"), F.col("queue_offset").cast("string")))
-
-    # Pending: exactly the undecided, undiscarded judged halves, unchanged.
-    exp_pending = fate.where(F.col("fate") == PENDING_FATE)
-    pend_n = pending.groupBy("half_offset").agg(F.count("*").alias("n"),
-                                               F.first("transaction_id").alias("transaction_id"))
-    diffs.append(_diff(pend_n.where("n > 1"), "duplicate_pending", PENDING.path, "1 row",
-                       F.concat(F.col("n").cast("string"), F.lit(" rows"))))
-    diffs.append(_diff(exp_pending.join(pend_n.select("half_offset"), "half_offset", "left_anti"),
-                       "missing_pending", PENDING.path, "a pending row", "none"))
-    stray = (pending.join(exp_pending.select("half_offset"), "half_offset", "left_anti")
-             .join(fate.select("half_offset", "fate"), "half_offset", "left"))
-    diffs.append(_diff(stray, "unexpected_pending", PENDING.path,
-                       F.concat(F.lit("no row (message "),
-                                F.coalesce(F.col("fate"), F.lit("not judged or unknown")),
-                                F.lit(")")), F.lit("a pending row")))
-    diffs.append(_content_diffs(exp_pending, pending.dropDuplicates(["half_offset"]),
-                                PENDING.path, CONTENT + ("store_ms", "check_immunity_s")))
-
-    # The job's incremental state: one resolved row per decided message, as recomputed.
-    decided = fate.where(F.col("fate").isin(DELIVERED, ROLLED_BACK))
-    res_n = resolved.groupBy("half_offset").agg(F.count("*").alias("n"),
-                                               F.first("transaction_id").alias("transaction_id"))
-    diffs.append(_diff(res_n.where("n > 1"), "duplicate_resolved", RESOLVED.path, "1 row",
-                       F.concat(F.col("n").cast("string"), F.lit(" rows"))))
-    diffs.append(_diff(decided.join(res_n.select("half_offset"), "half_offset", "left_anti"),
-                       "missing_resolved", RESOLVED.path,
-                       F.concat(F.col("w_action"), F.lit(" by op_offset "),
-                                F.col("w_op_offset").cast("string")), F.lit("none")))
-    diffs.append(_diff(resolved.join(decided.select("half_offset"), "half_offset", "left_anti"),
-                       "unexpected_resolved", RESOLVED.path, "no row",
-                       F.concat(F.col("action"), F.lit(" by op_offset "),
-                                F.col("op_offset").cast("string"))))
-    rj = decided.join(resolved.dropDuplicates(["half_offset"]).select(
-        "half_offset", "action", "op_offset", "source", "op_version"), "half_offset")
-    diffs.append(_diff(rj.where((F.col("action") != F.col("w_action"))
-                                | (F.col("op_offset") != F.col("w_op_offset"))
-                                | (F.col("source") != F.col("w_source"))
-                                | ((F.col("op_version") != F.col("w_cv"))
-                                   & F.col("w_dated"))),
-                       "resolved_mismatch", RESOLVED.path,
-                       F.concat_ws(" ", F.col("w_action"), F.col("w_source"),
-                                   F.lit("op_offset"), F.col("w_op_offset").cast("string"),
-                                   F.lit("version"), F.col("w_cv").cast("string")),
-                       F.concat_ws(" ", F.col("action"), F.col("source"), F.lit("op_offset"),
-                                   F.col("op_offset").cast("string"), F.lit("version"),
-                                   F.col("op_version").cast("string"))))
-
-    # Next queue offsets carried by the job continue exactly after the last row.
-    rows_per_queue = expected_delivered.groupBy("topic", "queue_id").agg(
-        F.count("*").alias("n_expected"))
-    qj = rows_per_queue.join(queues.select("topic", "queue_id", "next_queue_offset"),
-                             ["topic", "queue_id"], "full_outer")
-    diffs.append(_diff(qj.where(~F.coalesce(F.col("n_expected"), F.lit(0))
-                                .eqNullSafe(F.coalesce(F.col("next_queue_offset"), F.lit(0))))
-                       .withColumn("half_offset", F.lit(None))
-                       .withColumn("transaction_id", F.lit(None)),
-                       "queue_state_mismatch",
-                       F.concat(F.lit(QUEUES.path + " "), F.col("topic"), F.lit(" queue "),
-                                F.col("queue_id").cast("string")),
-                       F.coalesce(F.col("n_expected"), F.lit(0)).cast("string"),
-                       F.col("next_queue_offset").cast("string")))
-
-    # Rejected halves are recorded as such.
-    rej_halves = rejected.where(F.col("source_table") == HALF.path).select(
-        F.col("row_offset").alias("half_offset")).distinct()
-    diffs.append(_diff(fate.where(F.col("fate") == REJECTED_FATE)
-                       .join(rej_halves, "half_offset", "left_anti"),
-                       "missing_rejected", REJECTED.path, "a rejected row", "none"))
-
-    # OPs never applied (invalid, or late after a discard) are on record (I6).
-    rej_ops = (rejected.where(F.col("source_table") == OP.path)
-               .select(F.col("row_offset").alias("op_offset")).distinct())
-    not_applied = o.where(~F.col("valid") | F.col("late"))
-    diffs.append(_diff(not_applied.join(rej_ops, "op_offset", "left_anti"),
-                       "unrecorded_rejected_op", REJECTED.path,
-                       F.concat(F.lit("a rejected row for op_offset "),
-                                F.col("op_offset").cast("string")), F.lit("none")))
-    applied = o.where(F.col("valid") & ~F.col("late")).select("op_offset", "half_offset",
-                                                              "transaction_id")
-    diffs.append(_diff(applied.join(rej_ops, "op_offset"), "valid_op_rejected", REJECTED.path,
-                       F.concat(F.lit("op_offset "), F.col("op_offset").cast("string"),
-                                F.lit(" valid")), F.lit("recorded as rejected")))
+    diffs = [*_raw_duplicates(half, op),
+             *_discard_differences(discard_dated, per_half_discard, expected, requests),
+             *_topic_differences(delivered_rows, expected),
+             *_pending_differences(pending, expected),
+             *_resolved_differences(resolved, expected),
+             _queue_differences(expected, queues),
+             *_rejected_differences(expected, ops, rejected)]
 
     all_diffs = diffs[0]
     for d in diffs[1:]:
@@ -584,8 +646,9 @@ def verify(spark: SparkSession, config) -> VerifyReport:
               all_diffs.orderBy(F.col("half_offset").asc_nulls_last(), "kind")
               .limit(MAX_LISTED).collect()]
 
-    fates = {r["fate"]: r["n"] for r in fate.groupBy("fate").agg(F.count("*").alias("n")).collect()}
-    op_stats = o.agg(
+    fates = {r["fate"]: r["n"]
+             for r in expected.groupBy("fate").agg(F.count("*").alias("n")).collect()}
+    op_stats = ops.agg(
         F.count("*").alias("ops_judged"),
         F.sum(F.when(~F.col("valid"), 1).otherwise(0)).alias("invalid_ops"),
         F.sum(F.when(F.col("late"), 1).otherwise(0)).alias("late_ops")).first().asDict()
@@ -604,7 +667,7 @@ def verify(spark: SparkSession, config) -> VerifyReport:
         "topic_tables": len(topic_names),
         "committed_runs": len(committed),
     }
-    for df in (half, op, o, fate, delivered_rows, all_diffs):
+    for df in (half, op, ops, expected, delivered_rows, all_diffs):
         df.unpersist()
     judged_run = None
     if last is not None:

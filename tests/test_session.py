@@ -77,3 +77,18 @@ def test_the_class_archive_is_rebuilt_when_older_than_the_jars(tmp_path, monkeyp
     assert build_class_archive.up_to_date(archive)
     os.utime(jars, (newest + 2, newest + 2))  # `make setup` resolved other jars
     assert not build_class_archive.up_to_date(archive)
+
+
+def test_the_driver_logs_at_warn_without_the_warnings_of_a_healthy_run(spark):
+    """conf/log4j2.properties reaches the JVM: root at WARN, and the warnings
+    every run prints (a local checkpoint freed on purpose, Delta's duplicated
+    change-feed options, commit timestamps that tie) are quiet."""
+    from jobs.session import LOG_CONFIG
+    assert f"-Dlog4j2.configurationFile={LOG_CONFIG}" in driver_java_options()
+    manager = spark.sparkContext._jvm.org.apache.logging.log4j.LogManager
+    assert str(manager.getRootLogger().getLevel()) == "WARN"
+    for quiet in ("org.apache.spark.rdd.MapPartitionsRDD",
+                  "org.apache.spark.sql.util.CaseInsensitiveStringMap",
+                  "org.apache.spark.sql.delta.DeltaHistoryManager"):
+        assert str(manager.getLogger(quiet).getLevel()) == "ERROR", quiet
+    assert str(manager.getLogger("org.apache.spark.sql.delta.DeltaLog").getLevel()) == "WARN"
