@@ -104,8 +104,7 @@ def build_spark(app_name: str = "txn-reconcile", master: str | None = None,
     return spark
 
 
-def driver_java_options(short_lived: bool = False, archive: Path = CLASS_ARCHIVE,
-                        log_config: Path = LOG_CONFIG) -> str:
+def driver_java_options(short_lived: bool = False, archive: Path = CLASS_ARCHIVE) -> str:
     """Options of a local driver JVM: the class archive when `make setup` made
     one, `LOG_CONFIG`, and `SHORT_LIVED_JVM` for a short-lived process, else
     `LONG_RUN_GC`.
@@ -114,8 +113,8 @@ def driver_java_options(short_lived: bool = False, archive: Path = CLASS_ARCHIVE
     stderr and starts without it.
     """
     options = [_WARNINGS_TO_STDERR]
-    if log_config.is_file():
-        options.append(f"-Dlog4j2.configurationFile={log_config}")
+    if LOG_CONFIG.is_file():
+        options.append(f"-Dlog4j2.configurationFile={LOG_CONFIG}")
     if archive.is_file():
         options.append(f"-XX:SharedArchiveFile={archive}")
     options.append(SHORT_LIVED_JVM if short_lived else LONG_RUN_GC)

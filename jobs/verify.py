@@ -145,9 +145,11 @@ def _with_versions(spark: SparkSession, path: str, table: TableSchema, upto: int
     if upto < 0 or not state.is_delta(path):
         return (state.empty(spark, table).withColumn("cv", F.lit(None).cast("bigint"))
                 .withColumn("dated", F.lit(True)))
-    if state.log_holds(spark, path, 0):
+    try:
         return (state.added_rows(spark, path, table, -1, upto)
                 .withColumnRenamed("commit_version", "cv").withColumn("dated", F.lit(True)))
+    except state.HistoryGoneError:
+        pass  # the log no longer holds version 0
     notes.append(f"{path}: the log no longer holds version 0; rows older than the "
                  f"log are dated 0 (read by the first run), and their commit order is "
                  f"taken from the job's records")

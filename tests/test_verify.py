@@ -145,8 +145,9 @@ def test_outputs_of_an_unfinished_run_are_not_judged(spark, copy, monkeypatch):
     assert report.counts["halves_not_yet_processed"] == 2  # 9099 and 9020
 
 
-def _add_discard(spark, wh, half_offset, reason="EXPIRED"):
-    """Append a discard row for `half_offset` as if the last committed run wrote it."""
+def _add_discard(spark, wh, half_offset, reason="EXPIRED", body=None):
+    """Append a discard row for `half_offset` as if the last committed run
+    wrote it (with the half's content, or `body` instead of its body)."""
     from pyspark.sql import functions as F
 
     from jobs.verify import _committed_runs
@@ -161,6 +162,8 @@ def _add_discard(spark, wh, half_offset, reason="EXPIRED"):
            .withColumn("discarded_ms", F.lit(T2))
            .withColumn("run_id", F.lit(run_id))
            .select(*columns))
+    if body is not None:
+        row = row.withColumn("body", F.lit(body))
     row.write.format("delta").mode("append").save(discard)
 
 
@@ -185,7 +188,8 @@ def test_every_tampering_is_caught_naming_the_message(spark, copy):
               f"WHERE half_offset IN (9009, 9011)").collect()
     # pay (delivered) and expired_late (already discarded) get a forged discard.
     _add_discard(spark, wh, 9004)
-    _add_discard(spark, wh, 9010)
+    # ... the second one with another body: every discard row is compared.
+    _add_discard(spark, wh, 9010, body=b"forged")
 
     report = _verify(spark, wh)
     assert not report.ok
@@ -198,6 +202,9 @@ def test_every_tampering_is_caught_naming_the_message(spark, copy):
     assert _kinds_for(report, 9006) == {"missing_pending"}
     assert "discard_of_decided_message" in _kinds_for(report, 9004)
     assert "duplicate_discard" in _kinds_for(report, 9010)
+    forged = [d for d in report.differences
+              if d["half_offset"] == 9010 and d["kind"] == "content_mismatch"]
+    assert len(forged) == 1 and forged[0]["found"] == "body=" + b"forged".hex().upper()
     assert "queue_offset_order" in _kinds_for(report, 9009)
     assert "queue_offset_order" in _kinds_for(report, 9011)
     # Untouched messages stay clean, except for the gap c2's deletion and c1's
