@@ -36,6 +36,7 @@ from pyspark.sql import functions as F  # noqa: E402
 
 from jobs import state  # noqa: E402
 from jobs import transforms as T  # noqa: E402
+from jobs.counters import Counters  # noqa: E402
 from jobs.faults import InjectedFault, fault_point  # noqa: E402
 from jobs.held import Held  # noqa: E402
 from jobs.lease import EXIT_LEASE_HELD, Lease, LeaseHeld, LeaseLost  # noqa: E402
@@ -312,7 +313,7 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held
 
     The rules run on the messages' keys; the keys, the classified OPs and
     the decisions are each computed once and kept (`jobs.held`), and the
-    counters come from them in one collect before any write. Then the
+    counters are taken while they are (`jobs.counters`). Then the
     decided messages are joined with their bodies in one pass, kept too, and
     every output table is a filter of those rows: the bodies of the new half
     rows are read once, however many topics there are (their key columns, a
@@ -329,22 +330,30 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held
     pending_prev = state.read_state(spark, wh, record.state_versions, PENDING)
     queues = state.read_state(spark, wh, record.state_versions, QUEUES)
 
+    counted = Counters()
     accepted, rejected_halves = T.split_halves(half, rules)
     messages = T.live_messages(pending_prev, accepted, rules)
-    live = held.checkpoint(T.message_keys(messages))
+    # the same keys, the new halves and the carried pending set counted on the way
+    counted_accepted, _ = T.split_halves(counted.halves(half), rules)
+    live = held.checkpoint(T.message_keys(
+        T.live_messages(counted.pending(pending_prev), counted_accepted, rules)))
     no_history = T.history_targets(state.empty(spark, RESOLVED), state.empty(spark, DISCARD))
-    classified = held.checkpoint(T.classify_ops(ops, T.op_targets(live, no_history)))
-    classified, discard_hist = _with_history(spark, wh, record, classified, held)
+    classified = held.checkpoint(counted.ops(
+        T.classify_ops(ops, T.op_targets(live, no_history), discards=False)))
+    classified, discard_hist = _with_history(spark, wh, record, classified, held, counted)
+    c = counted.values()
     won = T.winners(classified)
     positions = T.queue_positions(won, queues)
-    few_won = classified.where(F.col("outcome") == T.WIN).count() <= BROADCAST_MAX_ROWS
+    few_won = c["committed"] + c["rolled_back"] <= BROADCAST_MAX_ROWS
     undecided = T.remaining_pending(live, won, broadcast=few_won)
     decided = T.decide(T.apply_answers(undecided, answers), rules)
-    fates = held.checkpoint(positions.unionByName(decided, allowMissingColumns=True))
-    counts, queue_ends = _count(half, answers, pending_prev, classified, fates, rules)
+    fates = held.checkpoint(counted.fates(
+        positions.unionByName(decided, allowMissingColumns=True), rules))
+    c = {k: v for k, v in counted.values().items() if not k.startswith("_")}
+    c["answers_read"] = answers.count()
+    queue_ends = _queue_ends(fates)
     delivered_by_topic = _delivered_by_topic(queue_ends)
 
-    c = counts
     settled = T.with_bodies(fates, T.known_messages(messages, discard_hist),
                             broadcast=_settled_rows(c) <= BROADCAST_MAX_ROWS)
     if writing and _settled_rows(c) and (delivered_by_topic or _pending_changed(c)):
@@ -363,7 +372,7 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held
         rejected=rejected_halves.unionByName(T.op_rejections(classified, rules)),
         queues=T.next_queues(queues, _queue_ends_frame(spark, queue_ends), rules),
         pending=T.next_pending(with_decision(T.CHECK, T.WAIT), rules),
-        counts=counts, delivered_by_topic=delivered_by_topic)
+        counts=c, delivered_by_topic=delivered_by_topic)
 
 
 def _settled_rows(c: dict) -> int:
@@ -372,18 +381,20 @@ def _settled_rows(c: dict) -> int:
             + c["discarded_expired"])
 
 
-def _with_history(spark, wh: str, record: state.RunRecord, classified, held: Held):
+def _with_history(spark, wh: str, record: state.RunRecord, classified, held: Held,
+                  counted: Counters):
     """(`classified` (`T.classify_ops` against the live messages), corrected
     for the OPs that match no live message by what the resolved and discard
     tables say of their messages; the discard rows read: an ADMIN OP may
     deliver a discarded message).
 
-    Usually there are no such OPs, and the history is not read at all;
-    otherwise only the files whose statistics may hold their offsets.
+    Usually there are no such OPs (`counted` says so), and the history is
+    not read at all; otherwise only the files whose statistics may hold
+    their offsets.
     """
-    keys = [r[0] for r in T.unmatched_op_keys(classified).collect()]
-    if not keys:
+    if not counted.values()["_unknown_offset_ops"]:
         return classified, state.empty(spark, DISCARD)
+    keys = [r[0] for r in T.unmatched_op_keys(classified).collect()]
     resolved = state.read_state(spark, wh, record.state_versions, RESOLVED)
     discarded = state.read_state(spark, wh, record.state_versions, DISCARD)
     wanted = spark.createDataFrame([(k,) for k in keys], "half_offset bigint")
@@ -394,60 +405,18 @@ def _with_history(spark, wh: str, record: state.RunRecord, classified, held: Hel
         resolved = resolved.join(wanted, "half_offset", "left_semi")
         discarded = discarded.join(wanted, "half_offset", "left_semi")
     history = T.history_targets(resolved, discarded)
-    return held.checkpoint(T.reclassify_with_history(classified, wanted, history)), discarded
+    reclassified = T.reclassify_with_history(classified, wanted, history)
+    return held.checkpoint(counted.ops(reclassified)), discarded
 
 
-def _count(half, answers, pending_prev, classified, fates,
-           rules: T.Rules) -> tuple[dict, list[tuple]]:
-    """(counters, (topic, queue_id, rows delivered, last queue_offset) of
-    each queue delivered to) in one collect: a single-row aggregate per
-    input, each as a JSON object, in one union (each separate action costs
-    a job's latency; a cross join of the rows cost a chain of broadcasts,
-    one after another). The queues' last offsets give the next QUEUES table
-    without reading the deliveries again."""
-    from functools import reduce
-    n = F.count(F.lit(1))
-    positions = fates.where(F.col("decision") == T.DELIVER)
-    decided = fates.where(F.col("decision") != T.DELIVER)
-
-    def where(cond):
-        return F.coalesce(F.sum(F.when(cond, 1).otherwise(0)), F.lit(0))
-
-    outcome, action, decision = F.col("outcome"), F.col("action"), F.col("decision")
-    still_pending = decision.isin(T.CHECK, T.WAIT)
-    by_queue = positions.groupBy("topic", "queue_id").agg(
-        n.alias("n"), F.max("queue_offset").alias("queue_offset"))
-    parts = [
-        half.agg(n.alias("half_read"),
-                 where(T.half_reject_reason().isNotNull()).alias("rejected_halves")),
-        answers.agg(n.alias("answers_read")),
-        pending_prev.agg(n.alias("pending_before")),
-        classified.agg(
-            n.alias("op_read"),
-            where((outcome == T.WIN) & (action == "COMMIT")).alias("committed"),
-            where((outcome == T.WIN) & (action == "ROLLBACK")).alias("rolled_back"),
-            where(outcome == T.DUPLICATE).alias("duplicate_ops"),
-            where(outcome == T.CONFLICT).alias("conflicting_ops"),
-            where(outcome == T.INVALID).alias("invalid_ops"),
-            where(outcome == T.LATE).alias("late_ops")),
-        decided.agg(
-            where(decision == T.CHECK).alias("check_requests"),
-            where(decision == T.MAX_CHECKS).alias("discarded_max_checks"),
-            where(decision == T.EXPIRED).alias("discarded_expired"),
-            where(still_pending).alias("pending_after"),
-            F.max(F.when(still_pending, F.col("age_ms"))).alias("oldest_pending_age_ms")),
-        T.still_pending(decided, rules).agg(F.min(T.due_at_ms(rules)).alias("next_due_ms")),
-        by_queue.agg(F.collect_list(F.struct("topic", "queue_id", "n", "queue_offset"))
-                     .alias("queue_ends")),
-    ]
-    as_json = [part.select(F.to_json(F.struct("*"), {"ignoreNullFields": "false"}))
-               for part in parts]
-    row: dict = {}
-    for (part,) in reduce(lambda a, b: a.union(b), as_json).collect():
-        row.update(json.loads(part))
-    ends = sorted((e["topic"], e["queue_id"], e["n"], e["queue_offset"])
-                  for e in row.pop("queue_ends") or ())
-    return row, ends
+def _queue_ends(fates) -> list[tuple]:
+    """(topic, queue_id, rows delivered, last queue_offset) of each queue this
+    run delivers to, from its kept fates. The last offsets give the next
+    QUEUES table without reading the deliveries again."""
+    ends = (fates.where(F.col("decision") == T.DELIVER)
+            .groupBy("topic", "queue_id")
+            .agg(F.count(F.lit(1)), F.max("queue_offset")).collect())
+    return sorted(tuple(row) for row in ends)
 
 
 def _delivered_by_topic(queue_ends: list[tuple]) -> dict[str, int]:

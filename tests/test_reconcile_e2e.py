@@ -170,6 +170,7 @@ def test_idle_run_writes_one_record_until_something_is_due_or_the_rules_change(
     # A shorter timeout makes the message due at the same clock: a full run checks it.
     due = reconcile(spark, {**cfg, "transaction_timeout_ms": 30_000}, now_ms=60_000)
     assert (due.idle, due.check_requests, due.run_number) == (False, 1, 3)
+    assert due.next_due_ms == 60_000 + 30_000  # checked now: due again an interval later
     # ... and, being run 3, compacted _sys/runs (5 rows in 5 files) without
     # changing a row or adding to the change feed producers follow
     assert len(DeltaTable(runs).file_uris()) == 1

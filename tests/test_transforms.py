@@ -213,6 +213,29 @@ def test_an_op_row_written_twice_wins_once(spark):
         (1, T.DUPLICATE), (1, T.WIN), (2, T.DUPLICATE), (2, T.WIN)]
 
 
+def test_live_messages_are_classified_alike_without_ranking_admin_ops(spark):
+    """`discards=False` (the run's first pass, against live messages only)
+    must give every OP the outcome the full ranking gives it."""
+    a, b, c = fx.half(1), fx.half(2), fx.half(3)
+    ops = ops_df(spark,
+                 (fx.op(a, "ROLLBACK", op_offset=9, source="ADMIN"), 2),
+                 (fx.op(a, "COMMIT", op_offset=3), 2),
+                 (fx.op(a, "MAYBE", op_offset=4), 1),
+                 (fx.op(a, "ROLLBACK", op_offset=1), 3),
+                 (fx.op(b, op_offset=5), 1), (fx.op(b, op_offset=5), 1),
+                 (fx.op(b, op_offset=6, source="ADMIN"), 1),
+                 (fx.op(b, op_offset=7, producer_group="other"), 1),
+                 (fx.op(c, "ROLLBACK", op_offset=8, source="CHECK"), 4),
+                 (fx.op(fx.half(99), op_offset=10), 1))
+    targets = T.op_targets(T.message_keys(pending_df(spark, a, b, c)), _history(spark))
+    lean = T.classify_ops(ops, targets, discards=False)
+    full = T.classify_ops(ops, targets)
+    assert_df_equality(lean, full, ignore_row_order=True, ignore_nullable=True)
+    assert sorted((r.op_offset, r.outcome) for r in lean.collect()) == [
+        (1, T.CONFLICT), (3, T.WIN), (4, T.INVALID), (5, T.DUPLICATE), (5, T.WIN),
+        (6, T.DUPLICATE), (7, T.INVALID), (8, T.WIN), (9, T.CONFLICT), (10, T.INVALID)]
+
+
 def _history(spark, resolved=(), discarded=()):
     res = spark.createDataFrame(list(resolved), spark_schema(RESOLVED))
     dis = spark.createDataFrame(list(discarded), spark_schema(DISCARD))
