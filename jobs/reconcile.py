@@ -273,7 +273,6 @@ class _Outputs:
     delivered: dict
     requests: object
     discards: object
-    resolved: object
     rejected: object
     queues: object
     pending: object
@@ -294,21 +293,24 @@ def _execute(spark, wh: str, record: state.RunRecord, lease: Lease | None,
     started = time.time()
     rules = T.Rules.from_json(record.rules_json)
     held = Held()
+    writes = _Writes(record.run_number, lease, redo) if write else None
     try:
-        out = _compute(spark, wh, record, rules, held, writing=write)
-        if write:
-            _write_outputs(spark, wh, record, out, lease, redo)
+        out = _compute(spark, wh, record, rules, held, writes)
+        if writes is not None:
+            _write_outputs(spark, wh, out, writes)
         summary = _summary(record, out, int((time.time() - started) * 1000))
         if write:
             lease.keep_alive()
             record = _commit(wh, record, summary)
         return _Executed(record, summary)
     finally:
+        if writes is not None:
+            writes.close()  # before the kept rows they read are freed
         held.release()
 
 
-def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held, *,
-             writing: bool = True) -> _Outputs:
+def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held,
+             writes: "_Writes | None") -> _Outputs:
     """The run's outputs (`jobs.transforms`' docstring has the order).
 
     The rules run on the messages' keys; the keys, the classified OPs and
@@ -317,9 +319,12 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held
     decided messages are joined with their bodies in one pass, kept too, and
     every output table is a filter of those rows: the bodies of the new half
     rows are read once, however many topics there are (their key columns, a
-    small part of each file, by the rules and the counters). Not `writing` (a
-    dry run): the counters only, the bodies are never read.
+    small part of each file, by the rules and the counters). The resolved
+    rows are known once the OPs are classified: their write starts then
+    (`writes`) and runs beside the rest. No `writes` (a dry run): the
+    counters only, the bodies are never read.
     """
+    writing = writes is not None
     paths = state.input_paths(wh)
     ops = state.added_rows(spark, paths["op"], state.OP, record.prev_op_version,
                            record.op_version)
@@ -343,6 +348,9 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held
     classified, discard_hist = _with_history(spark, wh, record, classified, held, counted)
     c = counted.values()
     won = T.winners(classified)
+    if writing and (c["committed"] or c["rolled_back"]):
+        writes.start(T.resolved_rows(won, rules), table_path(wh, RESOLVED), RESOLVED.path,
+                     "append")
     positions = T.queue_positions(won, queues)
     few_won = c["committed"] + c["rolled_back"] <= BROADCAST_MAX_ROWS
     undecided = T.remaining_pending(live, won, broadcast=few_won)
@@ -368,7 +376,6 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held
                    .drop("topic") for topic in delivered_by_topic},
         requests=T.check_requests(with_decision(T.CHECK), rules),
         discards=T.discards(with_decision(T.EXPIRED, T.MAX_CHECKS), rules),
-        resolved=T.resolved_rows(won, rules),
         rejected=rejected_halves.unionByName(T.op_rejections(classified, rules)),
         queues=T.next_queues(queues, _queue_ends_frame(spark, queue_ends), rules),
         pending=T.next_pending(with_decision(T.CHECK, T.WAIT), rules),
@@ -427,15 +434,15 @@ def _delivered_by_topic(queue_ends: list[tuple]) -> dict[str, int]:
 
 
 def _queue_ends_frame(spark, queue_ends: list[tuple]):
-    """`_count`'s queue ends as the rows `T.next_queues` takes (the last
+    """`_queue_ends` as the rows `T.next_queues` takes (the last
     delivered queue_offset of each queue)."""
     return spark.createDataFrame([(t, q, last) for t, q, _n, last in queue_ends],
                                  "topic string, queue_id int, queue_offset bigint")
 
 
-def _write_outputs(spark, wh: str, record: state.RunRecord, out: _Outputs,
-                   lease: Lease, redo: bool) -> None:
-    """Write every output table of the run, several at a time.
+class _Writes:
+    """The run's table writes, each started as soon as its rows are known,
+    several at a time (`PARALLEL_WRITES`).
 
     The writes are independent — each is one tagged commit, skipped on a
     redo that finds it, and the intent makes them one run — so they need no
@@ -443,23 +450,47 @@ def _write_outputs(spark, wh: str, record: state.RunRecord, out: _Outputs,
     local cores overlapping them saved ~10 % (11.4 s -> 10.2 s at 100,000
     messages), on object storage the round trips weigh more.
     """
+
+    def __init__(self, run_number: int, lease: Lease, redo: bool) -> None:
+        self._put_args = (run_number, lease, redo)
+        self._pool = ThreadPoolExecutor(PARALLEL_WRITES, thread_name_prefix="write")
+        self._started: list = []
+
+    def start(self, df, path: str, app: str, mode: str) -> None:
+        self._raise_first_error(finished_only=True)  # a crashed write stops the run here
+        self._started.append(self._pool.submit(_put, df, path, app, mode, *self._put_args))
+
+    def finish(self) -> None:
+        """Wait for every write; raise the first that failed."""
+        self.close()
+        self._raise_first_error()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _raise_first_error(self, finished_only: bool = False) -> None:
+        errors = [f.exception() for f in self._started
+                  if (f.done() or not finished_only) and f.exception() is not None]
+        if errors:  # a crash point or a lost lease first: they say why the run stopped
+            raise next((e for e in errors if isinstance(e, (InjectedFault, LeaseLost))),
+                       errors[0])
+
+
+def _write_outputs(spark, wh: str, out: _Outputs, writes: _Writes) -> None:
+    """Write every output table of the run but `_sys/resolved` (`_compute`
+    started that one), and wait for all."""
     for topic in out.delivered_by_topic:  # the tables first: creating one is a commit too
         state.ensure_topic_table(spark, wh, topic)
-    with ThreadPoolExecutor(PARALLEL_WRITES, thread_name_prefix="write") as pool:
-        pending = [pool.submit(_put, df, path, app, mode, record.run_number, lease, redo)
-                   for df, path, app, mode in _output_writes(wh, out)]
-        errors = [f.exception() for f in pending if f.exception() is not None]
-    if errors:  # a crash point or a lost lease first: they say why the run stopped
-        raise next((e for e in errors if isinstance(e, (InjectedFault, LeaseLost))), errors[0])
+    for df, path, app, mode in _output_writes(wh, out):
+        writes.start(df, path, app, mode)
+    writes.finish()
 
 
 def _output_writes(wh: str, out: _Outputs) -> list[tuple]:
-    """(DataFrame, table path, app id, save mode) of each table this run changes."""
+    """(DataFrame, table path, app id, save mode) of each table this run
+    changes, but `_sys/resolved`."""
     c, writes = out.counts, []
-    # usually the biggest first, so that the last to start is a small one: a
-    # row per resolved message, then the delivered rows, split by topic
-    if c["committed"] or c["rolled_back"]:
-        writes.append((out.resolved, table_path(wh, RESOLVED), RESOLVED.path, "append"))
+    # usually the biggest first, so that the last to start is a small one
     for topic in sorted(out.delivered):
         writes.append((out.delivered[topic], topic_path(wh, topic), f"topics/{topic}", "append"))
     if c["check_requests"]:
