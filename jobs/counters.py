@@ -11,7 +11,7 @@ the tasks that compute the rows, and arrive with the action that keeps them.
 Only DataFrames that the kept rows' plan always executes are observed (an
 observation never executed would make `values` wait forever): the kept
 DataFrame itself, or an input that no optimisation can remove from its plan
-(a leaf read under a union or an outer join).
+(a table read under a union).
 
     >>> counted = Counters()                                   # doctest: +SKIP
     >>> kept = held.checkpoint(counted.ops(classified))        # doctest: +SKIP
@@ -60,9 +60,6 @@ class Counters:
     def pending(self, pending_prev: DataFrame) -> DataFrame:
         return self._observe("pending", pending_prev, _rows().alias("pending_before"))
 
-    def answers(self, answers: DataFrame) -> DataFrame:
-        return self._observe("answers", answers, _rows().alias("answers_read"))
-
     def ops(self, classified: DataFrame) -> DataFrame:
         """`classified` (`T.classify_ops`), counted by outcome. Called again
         for OPs classified again with the history: the last one counts."""
@@ -83,8 +80,6 @@ class Counters:
         clock at which one becomes due (`T.due_at_ms` as the next run sees it)."""
         decision = F.col("decision")
         pending = decision.isin(T.CHECK, T.WAIT)
-        checked_now = F.when(decision == T.CHECK, F.lit(rules.now_ms)).otherwise(
-            F.col("last_check_ms"))
         return self._observe(
             "fates", fates,
             _where(decision == T.CHECK).alias("check_requests"),
@@ -92,11 +87,11 @@ class Counters:
             _where(decision == T.EXPIRED).alias("discarded_expired"),
             _where(pending).alias("pending_after"),
             F.max(F.when(pending, F.col("age_ms"))).alias("oldest_pending_age_ms"),
-            F.min(F.when(pending, T.due_at_ms(rules, last_check_ms=checked_now)))
+            F.min(F.when(pending, T.due_at_ms(rules, last_check_ms=T.last_check_after(rules))))
             .alias("next_due_ms"))
 
     def values(self) -> dict:
-        """Every counter observed; waits for the actions that compute them."""
+        """Every counter observed so far; waits for the actions that compute them."""
         out: dict = {}
         for seen in self._seen.values():
             out.update(seen.get)

@@ -462,6 +462,12 @@ def check_requests(decided: DataFrame, rules: Rules) -> DataFrame:
     return conform(rows, CHECK_REQUESTS)
 
 
+def last_check_after(rules: Rules) -> Column:
+    """A decided row's last_check_ms once this run is done: now if it is checked."""
+    return (F.when(F.col("decision") == CHECK, F.lit(rules.now_ms))
+            .otherwise(F.col("last_check_ms")))
+
+
 def still_pending(decided: DataFrame, rules: Rules) -> DataFrame:
     """The CHECK and WAIT rows of `decided` as the next run will see them
     (a check counted), with whatever columns `decided` has."""
@@ -469,8 +475,7 @@ def still_pending(decided: DataFrame, rules: Rules) -> DataFrame:
     return (decided.where(F.col("decision").isin(CHECK, WAIT))
             .withColumn("checks_sent", F.when(checked, F.col("checks_sent") + 1)
                         .otherwise(F.col("checks_sent")))
-            .withColumn("last_check_ms", F.when(checked, F.lit(rules.now_ms))
-                        .otherwise(F.col("last_check_ms")))
+            .withColumn("last_check_ms", last_check_after(rules))
             .withColumn("run_number", F.lit(rules.run_number)))
 
 
