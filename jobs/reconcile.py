@@ -319,7 +319,7 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held
     decided messages are joined with their bodies in one pass, kept too, and
     every output table is a filter of those rows: the bodies of the new half
     rows are read once, however many topics there are (their key columns, a
-    small part of each file, by the rules and the counters). The resolved
+    small part of each file, by the rules, which count them too). The resolved
     rows are known once the OPs are classified: their write starts then
     (`writes`) and runs beside the rest. No `writes` (a dry run): the
     counters only, the bodies are never read.
@@ -338,7 +338,8 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held
     counted = Counters()
     accepted, rejected_halves = T.split_halves(half, rules)
     messages = T.live_messages(pending_prev, accepted, rules)
-    # the same keys, the new halves and the carried pending set counted on the way
+    # the same rows for the rules' keys, counted on the way; `messages`, read
+    # again for the bodies, stays without observations (none in that plan)
     counted_accepted, _ = T.split_halves(counted.halves(half), rules)
     live = held.checkpoint(T.message_keys(
         T.live_messages(counted.pending(pending_prev), counted_accepted, rules)))

@@ -43,6 +43,7 @@ def test_runs_resolve_deliver_check_and_discard_across_runs(spark, warehouse):
     first = reconcile(spark, cfg, now_ms=T0)
 
     assert (first.half_read, first.op_read, first.committed, first.rolled_back) == (10, 8, 3, 1)
+    assert first.rejected_halves == 1  # `bad`: set aside, counted, never live
     assert (first.duplicate_ops, first.conflicting_ops, first.invalid_ops) == (1, 1, 2)
     assert first.delivered_by_topic == {"ORDER": 2, "PAY": 1}
     # h4 and h_answered are past immunity; h_unchecked has its own hour
