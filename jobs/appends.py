@@ -1,4 +1,5 @@
-"""The rows a producer table gained between two versions, read as plain parquet.
+"""Delta tables read as plain parquet where their log allows: the rows a producer
+table gained between two versions, and a state table read whole.
 
 Why not Delta's change data feed: its batch reader (`DeltaCDFRelation`)
 hands Spark its rows as an `RDD[Row]`, so every row is converted to a JVM
@@ -17,6 +18,9 @@ else in the range — a DELETE's change files, a deletion vector, partitions,
 column mapping, a file added twice (a RESTORE) — and any table not on a
 local disk, where the log entries are not plain files to read, fall back to
 the change data feed, which is always right.
+
+A table read whole (the pending set, the queues) is read the same way, as
+the files of its snapshot (`snapshot_files`), under the same conditions.
 """
 from __future__ import annotations
 
@@ -49,7 +53,7 @@ def appended_files(path: str, after: int, upto: int) -> list[tuple[int, str]] | 
     feed then says what is wrong.
     """
     root = local_path(path)
-    if root is None or not _plain_table(path, upto):
+    if root is None or not _plain_table(_rs_table(path, upto)):
         return None
     files: list[tuple[int, str]] = []
     for version in range(after + 1, upto + 1):
@@ -95,11 +99,30 @@ def _plain_reader(min_reader_version: int, reader_features) -> bool:
         min_reader_version == 3 and set(reader_features or ()) <= {"timestampNtz"})
 
 
-def _plain_table(path: str, version: int) -> bool:
-    """Whether the table as of `version` has its rows in its data files as
-    written (what commits before the range set up, e.g. column mapping)."""
+def snapshot_files(path: str, version: int) -> list[str] | None:
+    """The data files of the table as of `version`, when its rows are those
+    files' rows as written (no deletion vectors, column mapping or
+    partitions) and they are on a local disk; otherwise None.
+
+    Listed from the log by delta-rs in milliseconds, where Delta's own
+    reader first computes the table's snapshot in a Spark job (~0.4 s on 2
+    cores, before the run can start its first pass).
+    """
+    if local_path(path) is None:
+        return None
+    table = _rs_table(path, version)
+    return table.file_uris() if _plain_table(table) else None
+
+
+def _rs_table(path: str, version: int):
     from deltalake import DeltaTable as RsTable
-    table = RsTable(path, version=version)
+    return RsTable(path, version=version)
+
+
+def _plain_table(table) -> bool:
+    """Whether the delta-rs `table` (at its loaded version) has its rows in
+    its data files as written (what commits before the range set up, e.g.
+    column mapping)."""
     protocol, metadata = table.protocol(), table.metadata()
     return (_plain_reader(protocol.min_reader_version, protocol.reader_features)
             and not metadata.partition_columns

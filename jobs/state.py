@@ -38,6 +38,8 @@ STATS_COLUMNS = {TOPIC.path: 2, RESOLVED.path: 1, PENDING.path: 1, RUNS.path: 2}
 JOB_TABLES = (PENDING, QUEUES, RESOLVED, REJECTED, DISCARD, CHECK_REQUESTS, RUNS)
 #: state tables a run reads, pinned by version in its intent
 STATE_TABLES = (PENDING, QUEUES, RESOLVED, DISCARD)
+#: state tables a run reads whole, not looked up by key
+WHOLE_STATE_TABLES = (PENDING, QUEUES)
 #: job tables that only grow, by a file or two a run: compacted every COMPACT_EVERY_RUNS
 APPEND_ONLY_TABLES = (RUNS, RESOLVED, CHECK_REQUESTS, DISCARD, REJECTED)
 COMPACT_EVERY_RUNS = 100
@@ -359,8 +361,21 @@ def state_version_key(table: TableSchema) -> str:
 
 def read_state(spark: SparkSession, warehouse: str, versions: dict[str, int],
                table: TableSchema) -> DataFrame:
-    return snapshot(spark, table_path(warehouse, table), table,
-                    versions.get(state_version_key(table), NO_VERSION))
+    """The state table as of the version pinned in `versions` (a run's intent).
+
+    The tables a run reads whole (WHOLE_STATE_TABLES) are read as the parquet
+    files of that snapshot when the log allows (`appends.snapshot_files`);
+    the others are looked up by key, where Delta's reader skips files by
+    their statistics.
+    """
+    path = table_path(warehouse, table)
+    version = versions.get(state_version_key(table), NO_VERSION)
+    if table in WHOLE_STATE_TABLES and version != NO_VERSION:
+        files = appends.snapshot_files(path, version)
+        if files is not None:
+            return (spark.read.schema(spark_schema(table)).parquet(*files) if files
+                    else empty(spark, table))
+    return snapshot(spark, path, table, version)
 
 
 def decode_json(text: str | None) -> dict:

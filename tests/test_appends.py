@@ -6,8 +6,9 @@ import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 
 from jobs import appends, state
-from schemas import HALF, table_path
+from schemas import HALF, PENDING, table_path
 from schemas.arrow import arrow_schema
+from schemas.spark import spark_schema
 from tests import factories as fx
 
 
@@ -78,3 +79,47 @@ def test_tables_it_cannot_read_as_written_are_left_to_the_change_feed(warehouse)
     write_deltalake(path, rows, partition_by=["topic"])
     write_deltalake(path, rows, mode="append", partition_by=["topic"])
     assert appends.appended_files(path, 0, 1) is None
+
+
+def _pending(*offsets: int):
+    return [{**fx.half(o, store_ms=o), "checks_sent": 0, "checks_undecided": 0,
+             "last_check_ms": None, "run_number": 1} for o in offsets]
+
+
+def _write_pending(spark, path: str, rows: list[dict]) -> None:
+    (spark.createDataFrame(rows, spark_schema(PENDING)).write.format("delta")
+     .mode("overwrite").save(path))
+
+
+def _read_whole(spark, warehouse: str, version: int):
+    return state.read_state(spark, warehouse, {state.state_version_key(PENDING): version},
+                            PENDING)
+
+
+def test_a_state_table_read_whole_is_its_snapshot_at_the_pinned_version(spark, warehouse):
+    state.ensure_job_tables(spark, warehouse)
+    path = table_path(warehouse, PENDING)
+    _write_pending(spark, path, _pending(1, 2))
+    _write_pending(spark, path, _pending(3))  # an overwrite: version 1's files are gone in 2
+    assert len(appends.snapshot_files(path, 1)) >= 1
+    assert set(appends.snapshot_files(path, 1)).isdisjoint(appends.snapshot_files(path, 2))
+    assert appends.snapshot_files(path, 0) == []
+    for version, offsets in ((0, []), (1, [1, 2]), (2, [3])):
+        got = _read_whole(spark, warehouse, version)
+        want = spark.read.format("delta").option("versionAsOf", version).load(path)
+        assert got.columns == want.columns == PENDING.names
+        assert _rows(got) == _rows(want)
+        assert sorted(r.half_offset for r in got.collect()) == offsets
+
+
+def test_a_state_table_with_deletion_vectors_is_read_by_delta(spark, warehouse):
+    state.ensure_job_tables(spark, warehouse)
+    path = table_path(warehouse, PENDING)
+    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES "
+              "('delta.enableDeletionVectors' = 'true')")
+    _write_pending(spark, path, _pending(1, 2, 3))
+    spark.sql(f"DELETE FROM delta.`{path}` WHERE half_offset = 2")  # a deletion vector
+    version = DeltaTable(path).version()
+    assert appends.snapshot_files(path, version) is None  # its files hold a deleted row
+    assert sorted(r.half_offset for r in _read_whole(spark, warehouse, version).collect()) \
+        == [1, 3]
