@@ -4,7 +4,9 @@ In one invocation:
   1. a run over B new messages on an empty warehouse (H = 0);
   2. a run over B new messages after a history of H = 10 x B resolved ones;
      the ratio 2/1 shows whether the run scales with what is new, not with history
-     (target <= 1.3);
+     (target <= 1.3). Each run is done twice, first on a copy of its
+     warehouse, and measured the second time, as the lower bound is (the
+     first time is printed too);
   3. the lower bound: Spark reading the same B new half + OP rows (as the job
      reads them, jobs.appends) and writing the delivered rows once, measured
      the second time it runs; ratio run/lower bound (target <= 3), all
@@ -192,15 +194,28 @@ def main(argv=None) -> None:
     fill(hist, 0, h, args.body_bytes, NOW - 10_000, leave_pending=False)
     t_build, _ = timed(lambda: reconcile(spark, cfg(hist), now_ms=NOW))
 
+    def run_twice(warehouse: str) -> tuple[float, float, object]:
+        """(first time, second time, summary): the run over a copy of
+        `warehouse` first, then over `warehouse` itself, the same inputs
+        and the same plans. The second is the one compared, as the lower
+        bound's second time is: the first also pays for what Spark compiles
+        or sizes for the first time in the session."""
+        copy = warehouse + "-first-time"
+        shutil.copytree(warehouse, copy)
+        t_first, _ = timed(lambda: reconcile(spark, cfg(copy), now_ms=NOW + 1000))
+        shutil.rmtree(copy)
+        t_second, summary = timed(lambda: reconcile(spark, cfg(warehouse), now_ms=NOW + 1000))
+        return t_first, t_second, summary
+
     fresh = os.path.join(root, "fresh")
     fill(fresh, 0, b, args.body_bytes, NOW, leave_pending=True)
-    t_fresh, s_fresh = timed(lambda: reconcile(spark, cfg(fresh), now_ms=NOW + 1000))
+    t_fresh_1, t_fresh, s_fresh = run_twice(fresh)
 
     from deltalake import DeltaTable
     half_v = DeltaTable(table_path(hist, HALF)).version()
     op_v = DeltaTable(table_path(hist, OP)).version()
     fill(hist, h, b, args.body_bytes, NOW, leave_pending=True)
-    t_hist, s_hist = timed(lambda: reconcile(spark, cfg(hist), now_ms=NOW + 1000))
+    t_hist_1, t_hist, s_hist = run_twice(hist)
 
     # Twice, the second measured: the runs above reuse the code Spark compiled
     # for the same plans in earlier runs, so the lower bound gets that too.
@@ -221,12 +236,15 @@ def main(argv=None) -> None:
 
     print(f"B = {b:,} new messages per run (85% commit, 10% rollback, 5% pending), "
           f"H = {h:,} resolved before, body {args.body_bytes} B, cores = {os.cpu_count()}")
-    print(f"run over B, H = 0            : {t_fresh:8.1f} s  (committed {s_fresh.committed:,}, "
-          f"rolled back {s_fresh.rolled_back:,}, pending {s_fresh.pending_after:,})")
-    print(f"run over B, H = {h:<12,}: {t_hist:8.1f} s  (history run itself {t_build:.1f} s)")
+    print(f"run over B, H = 0            : {t_fresh:8.1f} s  (first time {t_fresh_1:.1f} s; "
+          f"committed {s_fresh.committed:,}, rolled back {s_fresh.rolled_back:,}, "
+          f"pending {s_fresh.pending_after:,})")
+    print(f"run over B, H = {h:<12,}: {t_hist:8.1f} s  (first time {t_hist_1:.1f} s; "
+          f"history run itself {t_build:.1f} s)")
     print(f"history ratio                : {t_hist / t_fresh:8.2f}   (target <= 1.3)")
     print(f"lower bound (read B, write delivered once; 2nd time): {t_lower:.1f} s")
-    print(f"run / lower bound            : {t_hist / t_lower:8.2f}   (target <= 3)")
+    print(f"run / lower bound            : {t_hist / t_lower:8.2f}   (target <= 3; "
+          f"first time / lower bound {t_hist_1 / t_lower:.2f})")
     print(f"the same rows to their {len(TOPICS)} topic tables (2nd time): {t_by_topic:.1f} s; "
           f"run / that: {t_hist / t_by_topic:.2f}")
     print(f"empty run, new process       : {t_empty:8.1f} s  exit {empty.returncode} "
