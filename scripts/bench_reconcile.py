@@ -150,11 +150,11 @@ def lower_bound_by_topic(spark, warehouse: str, start_half_v: int, start_op_v: i
     a time (as the job writes). What writing to several tables costs beyond
     writing the same rows to one."""
     from concurrent.futures import ThreadPoolExecutor
+
+    from jobs.held import Held
     outs = {topic: os.path.join(out, topic) for topic in TOPICS}
     for path in outs.values():
         _topic_like_table(spark, path)
-
-    from jobs.held import Held
 
     def run():
         held = Held()
