@@ -106,7 +106,7 @@ def snapshot_files(path: str, version: int) -> list[str] | None:
 
     Listed from the log by delta-rs in milliseconds, where Delta's own
     reader first computes the table's snapshot in a Spark job (~0.4 s on 2
-    cores, before the run can start its first pass).
+    cores; for the pending set, before the run can start its first pass).
     """
     if local_path(path) is None:
         return None
