@@ -53,7 +53,7 @@ def appended_files(path: str, after: int, upto: int) -> list[tuple[int, str]] | 
     feed then says what is wrong.
     """
     root = local_path(path)
-    if root is None or not _plain_table(_rs_table(path, upto)):
+    if root is None or not plain_table(_rs_table(path, upto)):
         return None
     files: list[tuple[int, str]] = []
     for version in range(after + 1, upto + 1):
@@ -111,7 +111,7 @@ def snapshot_files(path: str, version: int) -> list[str] | None:
     if local_path(path) is None:
         return None
     table = _rs_table(path, version)
-    return table.file_uris() if _plain_table(table) else None
+    return table.file_uris() if plain_table(table) else None
 
 
 def _rs_table(path: str, version: int):
@@ -119,7 +119,7 @@ def _rs_table(path: str, version: int):
     return RsTable(path, version=version)
 
 
-def _plain_table(table) -> bool:
+def plain_table(table) -> bool:
     """Whether the delta-rs `table` (at its loaded version) has its rows in
     its data files as written (what commits before the range set up, e.g.
     column mapping)."""

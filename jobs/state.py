@@ -20,7 +20,7 @@ from pyspark.sql import functions as F
 
 from pyspark.sql.types import LongType
 
-from jobs import appends
+from jobs import appends, commits
 from schemas import (CHECK_ANSWERS, CHECK_REQUESTS, DISCARD, HALF, OP, PENDING, QUEUES,
                      REJECTED, RESOLVED, RUNS, TOPIC, TableSchema, table_path, topic_path)
 from schemas.arrow import arrow_schema
@@ -203,6 +203,11 @@ def write_for_run(df: DataFrame, path: str, run_number: int, app: str, *,
     (`run_tag`). On a redo, skip the write when the crashed attempt already
     committed it (`committed_by_run`). Returns whether it wrote.
 
+    Written by `jobs.commits` (Spark's parquet writer, then a delta-rs
+    commit) where that commit is the one Delta's writer would make, which
+    saves the writer's snapshot and post-commit jobs; by Delta's writer
+    everywhere else.
+
     Why tags, not Delta's txnAppId/txnVersion: Delta checks those against
     the table's whole reconstructed state, a Spark job per table written —
     about 1 s each on 2 cores, most of a small run's time — while the tag is
@@ -213,9 +218,12 @@ def write_for_run(df: DataFrame, path: str, run_number: int, app: str, *,
     """
     if redo and committed_by_run(path, run_number, app):
         return False
-    (df.write.format("delta").mode(mode)
-     .option("userMetadata", run_tag(run_number, app))
-     .save(path))
+    tag = run_tag(run_number, app)
+    table = commits.committable(path, df)
+    if table is not None:
+        commits.write(df, table, mode, tag)
+    else:
+        df.write.format("delta").mode(mode).option("userMetadata", tag).save(path)
     return True
 
 

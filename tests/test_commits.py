@@ -1,0 +1,121 @@
+"""A run's writes as Spark's parquet files committed by delta-rs (jobs.commits):
+the table reads the same through Delta (rows, change feed, statistics), the
+commit is tagged with its run, NOT NULL holds, and where the commit would not
+be Delta's own the write falls back to Delta's writer."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from deltalake import DeltaTable
+
+from jobs import commits, state
+from schemas import QUEUES, TOPIC
+from schemas.spark import spark_schema
+
+
+def _topic_table(spark, warehouse) -> str:
+    return state.ensure_topic_table(spark, warehouse, "ORDER")
+
+
+def _topic_rows(spark, offsets, queue_id=0, msg_id="m"):
+    rows = [(queue_id, o, f"{msg_id}{o}", f"t{o}", 1000 + o, "pg", None, None, b"body",
+             None, 1, 2, 3, "run-1") for o in offsets]
+    return spark.createDataFrame(rows, spark_schema(TOPIC))
+
+
+def _last_adds(path: str) -> list[dict]:
+    version = DeltaTable(path).version()
+    with open(os.path.join(path, "_delta_log", f"{version:020d}.json")) as entry:
+        return [json.loads(line)["add"] for line in entry if '"add"' in line]
+
+
+def test_an_append_reads_as_delta_with_the_statistics_delta_keeps(spark, warehouse):
+    path = _topic_table(spark, warehouse)
+    df = _topic_rows(spark, range(10, 20)).coalesce(1)
+    assert commits.committable(path, df) is not None
+    assert state.write_for_run(df, path, 7, "topics/ORDER")
+
+    got = spark.read.format("delta").load(path)
+    assert sorted(r.queue_offset for r in got.collect()) == list(range(10, 20))
+    adds = _last_adds(path)
+    assert len(adds) == 1 and "/" not in adds[0]["path"]  # in the table's directory
+    stats = json.loads(adds[0]["stats"])
+    # a topic table keeps statistics on its first two columns only (state.STATS_COLUMNS)
+    assert stats == {"numRecords": 10, "minValues": {"queue_id": 0, "queue_offset": 10},
+                     "maxValues": {"queue_id": 0, "queue_offset": 19},
+                     "nullCount": {"queue_id": 0, "queue_offset": 0}}
+    assert not [n for n in os.listdir(path) if n.startswith(commits.STAGING_PREFIX)]
+    assert state.committed_by_run(path, 7, "topics/ORDER")
+    # the statistics skip files: a seek past the last offset reads no file
+    seek = got.where("queue_offset > 100")
+    assert seek.count() == 0
+    assert seek.inputFiles() == []
+
+
+def test_an_overwrite_replaces_the_rows_and_the_change_feed_shows_both(spark, warehouse):
+    path = _topic_table(spark, warehouse)
+    state.write_for_run(_topic_rows(spark, [1, 2]), path, 1, "topics/ORDER")
+    state.write_for_run(_topic_rows(spark, [3]), path, 2, "topics/ORDER", mode="overwrite")
+    assert [r.queue_offset for r in spark.read.format("delta").load(path).collect()] == [3]
+    changes = (spark.read.format("delta").option("readChangeFeed", "true")
+               .option("startingVersion", 2).load(path))
+    assert sorted((r._change_type, r.queue_offset) for r in changes.collect()) == [
+        ("delete", 1), ("delete", 2), ("insert", 3)]
+    # an overwrite with no rows empties the table
+    state.write_for_run(_topic_rows(spark, []), path, 3, "topics/ORDER", mode="overwrite")
+    assert spark.read.format("delta").load(path).count() == 0
+    assert DeltaTable(path).to_pyarrow_table().num_rows == 0
+
+
+def test_a_null_in_a_not_null_column_fails_and_commits_nothing(spark, warehouse):
+    path = _topic_table(spark, warehouse)
+    before = DeltaTable(path).version()
+    bad = _topic_rows(spark, [1]).selectExpr(
+        *[f"CAST(NULL AS string) AS {c}" if c == "msg_id" else c for c in TOPIC.names])
+    with pytest.raises(Exception, match="NOT NULL constraint violated for column msg_id"):
+        state.write_for_run(bad, path, 1, "topics/ORDER")
+    assert DeltaTable(path).version() == before
+    # the next write clears what the failed one left
+    state.write_for_run(_topic_rows(spark, [2]), path, 2, "topics/ORDER")
+    assert not [n for n in os.listdir(path) if n.startswith(commits.STAGING_PREFIX)]
+    assert [r.queue_offset for r in spark.read.format("delta").load(path).collect()] == [2]
+
+
+def test_other_columns_or_a_check_constraint_go_to_deltas_writer(spark, warehouse):
+    path = _topic_table(spark, warehouse)
+    assert commits.committable(path, _topic_rows(spark, [1]).drop("run_id")) is None
+    assert commits.committable("s3://bucket/topics/ORDER", _topic_rows(spark, [1])) is None
+    spark.sql(f"ALTER TABLE delta.`{path}` ADD CONSTRAINT positive CHECK (queue_offset >= 0)")
+    assert commits.committable(path, _topic_rows(spark, [1])) is None
+    with pytest.raises(Exception, match="positive"):  # Delta's writer enforces it
+        state.write_for_run(_topic_rows(spark, [-1]), path, 1, "topics/ORDER")
+    state.write_for_run(_topic_rows(spark, [5]), path, 2, "topics/ORDER")
+    assert DeltaTable(path).history(1)[0]["userMetadata"] == state.run_tag(2, "topics/ORDER")
+    assert [r.queue_offset for r in spark.read.format("delta").load(path).collect()] == [5]
+
+
+def test_a_checkpoint_every_ten_commits_as_delta_writes_them(spark, warehouse):
+    path = os.path.join(warehouse, "_sys", "queues")
+    state.create_table(spark, path, QUEUES)
+    rows = lambda n: spark.createDataFrame([("ORDER", 0, n, n)], spark_schema(QUEUES))  # noqa: E731
+    for n in range(1, 11):
+        state.write_for_run(rows(n), path, n, QUEUES.path, mode="overwrite")
+    assert DeltaTable(path).version() == 10
+    assert os.path.exists(os.path.join(path, "_delta_log", f"{10:020d}.checkpoint.parquet"))
+    assert [tuple(r) for r in spark.read.format("delta").load(path).collect()] == [
+        ("ORDER", 0, 10, 10)]
+
+
+def test_file_statistics_of_strings_are_bounds():
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    table = pa.table({"k": pa.array(["b" * 40, "a", None]), "n": pa.array([3, 1, 2])})
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    metadata = pq.read_metadata(pa.BufferReader(sink.getvalue()))
+    stats = commits.file_stats(metadata, ["k", "n"])
+    # the min is a prefix of at most 32 characters; a max longer than that is left out
+    assert stats == {"numRecords": 3, "minValues": {"k": "a", "n": 1},
+                     "maxValues": {"n": 3}, "nullCount": {"k": 1, "n": 0}}
