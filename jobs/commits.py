@@ -98,21 +98,62 @@ def write(df: DataFrame, table, mode: str, user_metadata: str) -> int:
     A null in a NOT NULL column fails the Spark job, naming the column, and
     nothing is committed (as Delta's writer does).
     """
-    if mode not in ("append", "overwrite"):
-        raise ValueError(f"mode must be 'append' or 'overwrite'; got {mode!r}")
-    from deltalake import CommitProperties
-    from deltalake.transaction import PostCommitHookProperties
+    _check_mode(mode)
+    return commit(table, stage(df, table), mode, user_metadata)
+
+
+def stage(df: DataFrame, table) -> list:
+    """Write `df`'s rows as files into the table's directory, uncommitted
+    (invisible to readers); their `add` actions, for `commit`."""
     root = local_path(table.table_uri)
     _remove_staging(root)
-    staging = os.path.join(root, STAGING_PREFIX + uuid.uuid4().hex)
+    staging = _new_staging(root)
     schema = table_schema(table)
-    (_not_null_checked(df, schema, root).write
-     .option("mapreduce.fileoutputcommitter.marksuccessfuljobs", "false")
-     .parquet(staging))
-    config = table.metadata().configuration
-    indexed = _indexed_columns(schema, config)
-    adds = [add for add in (_add_action(root, name, indexed)
-                            for name in _moved_into_table(staging, root)) if add is not None]
+    _writer(df.select(*_not_null_checked(df, schema, root))).parquet(staging)
+    added = _moved_into_table(staging, root)
+    shutil.rmtree(staging)
+    return _add_actions(table, root, added)
+
+
+def stage_split(df: DataFrame, column: str, tables: dict) -> dict[str, list]:
+    """`stage` for several tables in one Spark job: each row of `df` goes to
+    the table `tables` names for its `column` value (each table `committable`
+    for `df` without `column`; rows of other values are not written). The
+    `add` actions by value.
+
+    Why: one job reads `df` once, where one write per table reads all of it
+    each time to keep its own rows.
+    """
+    values = sorted(tables)
+    roots = {v: local_path(tables[v].table_uri) for v in values}
+    for root in roots.values():
+        _remove_staging(root)
+    staging = _new_staging(roots[values[0]])
+    strictest = _strictest_schema([table_schema(tables[v]) for v in values])
+    rows = df.where(F.col(column).isin(values))
+    index = F.create_map(*[F.lit(x) for i, v in enumerate(values) for x in (v, i)])
+    checked = _not_null_checked(rows.drop(column), strictest, ", ".join(roots.values()))
+    _writer(rows.select(*checked, index[F.col(column)].alias(_SPLIT_COLUMN))) \
+        .partitionBy(_SPLIT_COLUMN).parquet(staging)
+    staged = {}
+    for i, value in enumerate(values):
+        part = os.path.join(staging, f"{_SPLIT_COLUMN}={i}")
+        added = _moved_into_table(part, roots[value]) if os.path.isdir(part) else []
+        staged[value] = _add_actions(tables[value], roots[value], added)
+    shutil.rmtree(staging)
+    return staged
+
+
+#: the column `stage_split` partitions its one write by: the target's index
+_SPLIT_COLUMN = "_txn_target"
+
+
+def commit(table, adds: list, mode: str, user_metadata: str) -> int:
+    """Commit staged `adds` to the table (`mode`: append, or overwrite: they
+    replace every file), with `user_metadata` in its commitInfo; the version."""
+    _check_mode(mode)
+    from deltalake import CommitProperties
+    from deltalake.transaction import PostCommitHookProperties
     table.create_write_transaction(
         adds, mode=mode, schema=table.schema(),
         commit_properties=CommitProperties(custom_metadata={"userMetadata": user_metadata}),
@@ -120,22 +161,43 @@ def write(df: DataFrame, table, mode: str, user_metadata: str) -> int:
             create_checkpoint=False, cleanup_expired_logs=False))
     table.update_incremental()
     version = table.version()
-    _checkpoint_as_delta_does(table, version, config)
+    _checkpoint_as_delta_does(table, version, table.metadata().configuration)
     return version
 
 
-def _not_null_checked(df: DataFrame, schema: StructType, root: str) -> DataFrame:
-    """`df`, failing on a null in a column the table declares NOT NULL (where
-    Spark cannot tell from the plan that there is none)."""
+def _check_mode(mode: str) -> None:
+    if mode not in ("append", "overwrite"):
+        raise ValueError(f"mode must be 'append' or 'overwrite'; got {mode!r}")
+
+
+def _writer(df: DataFrame):
+    return df.write.option("mapreduce.fileoutputcommitter.marksuccessfuljobs", "false")
+
+
+def _new_staging(root: str) -> str:
+    return os.path.join(root, STAGING_PREFIX + uuid.uuid4().hex)
+
+
+def _strictest_schema(schemas: list[StructType]) -> StructType:
+    """The first schema, each column NOT NULL where any of them says so."""
+    first = schemas[0]
+    for field in first.fields:
+        field.nullable = all(s[field.name].nullable for s in schemas)
+    return first
+
+
+def _not_null_checked(df: DataFrame, schema: StructType, where: str) -> list:
+    """`df`'s columns, failing on a null in a column the table declares NOT
+    NULL (where Spark cannot tell from the plan that there is none)."""
     nullable = {f.name: f.nullable for f in df.schema.fields}
     columns = []
     for field in schema.fields:
         col = F.col(field.name)
         if not field.nullable and nullable[field.name]:
-            message = f"NOT NULL constraint violated for column {field.name} of {root}"
+            message = f"NOT NULL constraint violated for column {field.name} of {where}"
             col = F.when(col.isNull(), F.raise_error(F.lit(message))).otherwise(col)
         columns.append(col.alias(field.name))
-    return df.select(*columns)
+    return columns
 
 
 def _remove_staging(root: str) -> None:
@@ -144,17 +206,23 @@ def _remove_staging(root: str) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def _moved_into_table(staging: str, root: str) -> list[str]:
-    """Move the data files Spark wrote (and their checksum files, as Delta's
-    writer leaves them) from `staging` into the table's directory; their names."""
-    names = sorted(n for n in os.listdir(staging) if n.endswith(".parquet"))
+def _moved_into_table(written: str, root: str) -> list[str]:
+    """Move the data files Spark wrote in `written` (and their checksum
+    files, as Delta's writer leaves them) into the table's directory; their
+    names."""
+    names = sorted(n for n in os.listdir(written) if n.endswith(".parquet"))
     for name in names:
-        os.rename(os.path.join(staging, name), os.path.join(root, name))
+        os.rename(os.path.join(written, name), os.path.join(root, name))
         crc = f".{name}.crc"
-        if os.path.exists(os.path.join(staging, crc)):
-            os.rename(os.path.join(staging, crc), os.path.join(root, crc))
-    shutil.rmtree(staging)
+        if os.path.exists(os.path.join(written, crc)):
+            os.rename(os.path.join(written, crc), os.path.join(root, crc))
     return names
+
+
+def _add_actions(table, root: str, names: list[str]) -> list:
+    indexed = _indexed_columns(table_schema(table), table.metadata().configuration)
+    return [add for add in (_add_action(root, name, indexed) for name in names)
+            if add is not None]
 
 
 def _indexed_columns(schema: StructType, config: dict) -> list[str]:

@@ -268,9 +268,10 @@ def _new_intent(spark, wh: str, last: state.RunRecord | None, cfg: Config,
 @dataclass
 class _Outputs:
     """The run's output tables as DataFrames over the rows it keeps
-    (`jobs.held`), and its counters. `delivered`: one DataFrame per topic."""
+    (`jobs.held`), and its counters. `delivered`: the rows of every topic
+    table, with their `topic`."""
 
-    delivered: dict
+    delivered: object
     requests: object
     discards: object
     rejected: object
@@ -373,8 +374,7 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held
 
     delivered = with_decision(T.DELIVER)
     return _Outputs(
-        delivered={topic: T.deliveries(delivered.where(F.col("topic") == topic), rules)
-                   .drop("topic") for topic in delivered_by_topic},
+        delivered=T.deliveries(delivered, rules),
         requests=T.check_requests(with_decision(T.CHECK), rules),
         discards=T.discards(with_decision(T.EXPIRED, T.MAX_CHECKS), rules),
         rejected=rejected_halves.unionByName(T.op_rejections(classified, rules)),
@@ -458,8 +458,12 @@ class _Writes:
         self._started: list = []
 
     def start(self, df, path: str, app: str, mode: str) -> None:
+        self.submit(_put, df, path, app, mode)
+
+    def submit(self, put, *args) -> None:
+        """Run `put(*args, run_number, lease, redo)` beside the other writes."""
         self._raise_first_error(finished_only=True)  # a crashed write stops the run here
-        self._started.append(self._pool.submit(_put, df, path, app, mode, *self._put_args))
+        self._started.append(self._pool.submit(put, *args, *self._put_args))
 
     def finish(self) -> None:
         """Wait for every write; raise the first that failed."""
@@ -480,8 +484,16 @@ class _Writes:
 def _write_outputs(spark, wh: str, out: _Outputs, writes: _Writes) -> None:
     """Write every output table of the run but `_sys/resolved` (`_compute`
     started that one), and wait for all."""
-    for topic in out.delivered_by_topic:  # the tables first: creating one is a commit too
-        state.ensure_topic_table(spark, wh, topic)
+    paths = {topic: state.ensure_topic_table(spark, wh, topic)  # creating one is a commit too
+             for topic in out.delivered_by_topic}
+    # usually the biggest write first, so that the last to start is a small one
+    tables = state.split_tables(out.delivered, "topic", paths) if paths else None
+    if tables is not None:
+        writes.submit(_put_deliveries, out.delivered, tables)
+    else:
+        for topic, path in paths.items():
+            writes.start(out.delivered.where(F.col("topic") == topic).drop("topic"), path,
+                         f"topics/{topic}", "append")
     for df, path, app, mode in _output_writes(wh, out):
         writes.start(df, path, app, mode)
     writes.finish()
@@ -489,11 +501,8 @@ def _write_outputs(spark, wh: str, out: _Outputs, writes: _Writes) -> None:
 
 def _output_writes(wh: str, out: _Outputs) -> list[tuple]:
     """(DataFrame, table path, app id, save mode) of each table this run
-    changes, but `_sys/resolved`."""
+    changes, but the topics and `_sys/resolved`."""
     c, writes = out.counts, []
-    # usually the biggest first, so that the last to start is a small one
-    for topic in sorted(out.delivered):
-        writes.append((out.delivered[topic], topic_path(wh, topic), f"topics/{topic}", "append"))
     if c["check_requests"]:
         writes.append((out.requests, table_path(wh, CHECK_REQUESTS), CHECK_REQUESTS.path,
                        "append"))
@@ -513,6 +522,25 @@ def _put(df, path: str, app: str, mode: str, run_number: int, lease: Lease,
     lease.keep_alive()  # never write once another run may have taken over
     state.write_for_run(df, path, run_number, app, mode=mode, redo=redo)
     fault_point(f"after:{app}")
+
+
+def _put_deliveries(delivered, tables: dict, run_number: int, lease: Lease,
+                    redo: bool) -> None:
+    """Each topic's rows of `delivered` appended to its table (`tables`,
+    `state.split_tables`): all of them written by one Spark job, then one
+    tagged commit per topic. A redo writes only the topics its crashed
+    attempt did not commit."""
+    apps = {topic: f"topics/{topic}" for topic in tables}
+    todo = {topic: table for topic, table in tables.items()
+            if not (redo and state.committed_by_run(table.table_uri, run_number, apps[topic]))}
+    if not todo:
+        return
+    lease.keep_alive()  # never write once another run may have taken over
+    append = state.split_commits(delivered, "topic", todo)
+    for topic in sorted(todo):
+        lease.keep_alive()
+        append[topic](state.run_tag(run_number, apps[topic]))
+        fault_point(f"after:{apps[topic]}")
 
 
 def _pending_changed(c: dict) -> bool:

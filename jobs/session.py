@@ -35,6 +35,10 @@ _DEFAULTS = {
     # too). Identical code of later runs now reuses the compiled class. A
     # cache entry is one class, ~3 KB of bytecode; static: set at start.
     "spark.sql.codegen.cache.maxEntries": "1000",
+    # A run writes every topic's rows in one job, partitioned by table
+    # (`jobs.commits.stage_split`): without concurrent writers each task
+    # would first sort its rows, bodies and all, by table.
+    "spark.sql.maxConcurrentOutputFileWriters": "16",
     "spark.ui.enabled": "false",
     "spark.ui.showConsoleProgress": "false",
     "spark.driver.memory": "2g",

@@ -9,6 +9,7 @@ pinned there, so a redo of the run sees exactly the same inputs.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass, field, fields
@@ -225,6 +226,26 @@ def write_for_run(df: DataFrame, path: str, run_number: int, app: str, *,
     else:
         df.write.format("delta").mode(mode).option("userMetadata", tag).save(path)
     return True
+
+
+def split_tables(df: DataFrame, column: str, paths: dict[str, str]) -> dict | None:
+    """The tables of `paths` (by value of `column`) opened for `split_commits`,
+    or None unless `jobs.commits` can write every one of them the rows of
+    `df` (then `write_for_run`, one table at a time)."""
+    rows = df.drop(column)
+    tables = {value: commits.committable(path, rows) for value, path in paths.items()}
+    return None if any(table is None for table in tables.values()) else tables
+
+
+def split_commits(df: DataFrame, column: str,
+                  tables: dict) -> dict[str, Callable[[str], int]]:
+    """Stage the rows of `df` for `tables` (`split_tables`), each row to the
+    table of its `column` value, in one Spark job (`commits.stage_split`);
+    each table's append as a function of its commit's userMetadata
+    (`run_tag`)."""
+    staged = commits.stage_split(df, column, tables)
+    return {value: functools.partial(commits.commit, tables[value], staged[value], "append")
+            for value in tables}
 
 
 def committed_by_run(path: str, run_number: int, app: str) -> bool:

@@ -119,3 +119,28 @@ def test_file_statistics_of_strings_are_bounds():
     # the min is a prefix of at most 32 characters; a max longer than that is left out
     assert stats == {"numRecords": 3, "minValues": {"k": "a", "n": 1},
                      "maxValues": {"n": 3}, "nullCount": {"k": 1, "n": 0}}
+
+
+def test_a_split_write_stages_each_tables_rows_in_one_job_and_commits_each(spark, warehouse):
+    from pyspark.sql import functions as F
+    paths = {t: state.ensure_topic_table(spark, warehouse, t) for t in ("ORDER", "PAY")}
+    rows = (_topic_rows(spark, [1, 2]).withColumn("topic", F.lit("ORDER"))
+            .unionByName(_topic_rows(spark, [7]).withColumn("topic", F.lit("PAY")))
+            .unionByName(_topic_rows(spark, [9]).withColumn("topic", F.lit("SHIP"))))
+    split = state.split_commits(rows, "topic", state.split_tables(rows, "topic", paths))
+    assert sorted(split) == ["ORDER", "PAY"]
+    # staged, not committed: the files are in the tables' directories, unread
+    assert all(DeltaTable(p).version() == 0 for p in paths.values())
+    assert any(n.endswith(".parquet") for n in os.listdir(paths["PAY"]))
+    split["ORDER"](state.run_tag(3, "topics/ORDER"))
+    split["PAY"](state.run_tag(3, "topics/PAY"))
+    read = lambda t: sorted(r.queue_offset for r in spark.read.format("delta")  # noqa: E731
+                            .load(paths[t]).collect())
+    assert (read("ORDER"), read("PAY")) == ([1, 2], [7])  # SHIP has no table here: not written
+    assert json.loads(_last_adds(paths["PAY"])[0]["stats"])["minValues"]["queue_offset"] == 7
+    assert state.committed_by_run(paths["PAY"], 3, "topics/PAY")
+    assert not [n for t in paths.values() for n in os.listdir(t)
+                if n.startswith(commits.STAGING_PREFIX)]
+    # a table Delta's writer must write makes the caller write one table at a time
+    spark.sql(f"ALTER TABLE delta.`{paths['PAY']}` ADD CONSTRAINT c CHECK (queue_offset >= 0)")
+    assert state.split_tables(rows, "topic", paths) is None

@@ -24,7 +24,8 @@ T = 500 * 3_600_000
 NOT_OUTPUTS = {"_sys/half", "_sys/op", "_sys/check_answers", "_sys/producers", "_sys/lease"}
 #: wall-clock columns: the only ones allowed to differ between a redo and a clean run
 WALL_CLOCK = {"started_ms", "ended_ms", "summary_json", "duration_ms"}
-STEPS = ["after_lease", "after_intent", "after:topics/ORDER", "after:_sys/check_requests",
+STEPS = ["after_lease", "after_intent", "after:topics/ORDER", "after:topics/PAY",
+         "after:_sys/check_requests",
          "after:_sys/discard", "after:_sys/resolved", "after:_sys/rejected",
          "after:_sys/queues", "after:_sys/pending", "after_commit"]
 
@@ -57,8 +58,10 @@ def base(tmp_path_factory) -> str:
     os.makedirs(wh)
     delivered, checked, expired, waiting = (fx.half(store_ms=T - 100_000), fx.half(store_ms=T - 100_000),
                                             fx.half(store_ms=T - 73 * 3_600_000), fx.half(store_ms=T))
-    fx.write_halves(wh, delivered, checked, expired, waiting, fx.half(store_ms=T, topic="bad topic"))
-    fx.write_ops(wh, fx.op(delivered), fx.op(delivered, "ROLLBACK"))
+    paid = fx.half(store_ms=T - 100_000, topic="PAY")  # two topics: a crash between their commits
+    fx.write_halves(wh, delivered, checked, expired, waiting, paid,
+                    fx.half(store_ms=T, topic="bad topic"))
+    fx.write_ops(wh, fx.op(delivered), fx.op(delivered, "ROLLBACK"), fx.op(paid))
     return wh
 
 
