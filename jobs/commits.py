@@ -4,8 +4,8 @@ parquet files, delta-rs commits them.
 Why not Delta's own Spark writer: besides writing the files, it computes the
 table's snapshot in Spark jobs before each commit (for an overwrite, every
 file of it), collects statistics in every task and runs post-commit jobs. A
-run writes up to eight tables, so on 2 cores that machinery cost ~1.7 s of a
-run over a million messages (same session, alternated: 14.3 s -> 12.6 s),
+run writes up to eight tables, so on 2 cores that machinery cost ~2.7 s of a
+run over a million messages (same session, alternated: 15.3 s -> 12.6 s),
 most of it for the two small tables a run overwrites (the pending set, the
 queues). Here the files are what Delta's writer would write (Spark's parquet
 writer, the session's settings), moved into the table's directory, and the
