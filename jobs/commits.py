@@ -106,13 +106,11 @@ def stage(df: DataFrame, table) -> list:
     """Write `df`'s rows as files into the table's directory, uncommitted
     (invisible to readers); their `add` actions, for `commit`."""
     root = local_path(table.table_uri)
-    _remove_staging(root)
-    staging = _new_staging(root)
-    schema = table_schema(table)
-    _writer(df.select(*_not_null_checked(df, schema, root))).parquet(staging)
-    added = _moved_into_table(staging, root)
-    shutil.rmtree(staging)
-    return _add_actions(table, root, added)
+
+    def write(staging: str) -> dict:
+        _writer(df.select(*_not_null_checked(df, table_schema(table), root))).parquet(staging)
+        return {0: staging}
+    return _staged({0: table}, write)[0]
 
 
 def stage_split(df: DataFrame, column: str, tables: dict) -> dict[str, list]:
@@ -125,21 +123,35 @@ def stage_split(df: DataFrame, column: str, tables: dict) -> dict[str, list]:
     each time to keep its own rows.
     """
     values = sorted(tables)
-    roots = {v: local_path(tables[v].table_uri) for v in values}
+    where = ", ".join(local_path(tables[v].table_uri) for v in values)
+
+    def write(staging: str) -> dict:
+        strictest = _strictest_schema([table_schema(tables[v]) for v in values])
+        rows = df.where(F.col(column).isin(values))
+        index = F.create_map(*[F.lit(x) for i, v in enumerate(values) for x in (v, i)])
+        checked = _not_null_checked(rows.drop(column), strictest, where)
+        (_writer(rows.select(*checked, index[F.col(column)].alias(_SPLIT_COLUMN)))
+         .partitionBy(_SPLIT_COLUMN).parquet(staging))
+        return {v: os.path.join(staging, f"{_SPLIT_COLUMN}={i}") for i, v in enumerate(values)}
+    return _staged(tables, write)
+
+
+def _staged(tables: dict, write) -> dict:
+    """Clear what an earlier crash left staged in the tables, let `write(staging)`
+    write the files in a new staging directory (inside the first table, so
+    that the files move by a rename) and say where each table's files are,
+    move them into their tables; the `add` actions by table."""
+    roots = {key: local_path(table.table_uri) for key, table in tables.items()}
     for root in roots.values():
         _remove_staging(root)
-    staging = _new_staging(roots[values[0]])
-    strictest = _strictest_schema([table_schema(tables[v]) for v in values])
-    rows = df.where(F.col(column).isin(values))
-    index = F.create_map(*[F.lit(x) for i, v in enumerate(values) for x in (v, i)])
-    checked = _not_null_checked(rows.drop(column), strictest, ", ".join(roots.values()))
-    _writer(rows.select(*checked, index[F.col(column)].alias(_SPLIT_COLUMN))) \
-        .partitionBy(_SPLIT_COLUMN).parquet(staging)
+    staging = _new_staging(roots[min(tables)])
+    written = write(staging)
     staged = {}
-    for i, value in enumerate(values):
-        part = os.path.join(staging, f"{_SPLIT_COLUMN}={i}")
-        added = _moved_into_table(part, roots[value]) if os.path.isdir(part) else []
-        staged[value] = _add_actions(tables[value], roots[value], added)
+    for key, table in tables.items():
+        # no directory: no row for that table
+        added = (_moved_into_table(written[key], roots[key]) if os.path.isdir(written[key])
+                 else [])
+        staged[key] = _add_actions(table, roots[key], added)
     shutil.rmtree(staging)
     return staged
 
