@@ -30,11 +30,15 @@ from urllib.parse import unquote
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql.types import LongType, StringType, StructField, StructType
 
+from jobs.local import local_frame
 from schemas import TableSchema
 from schemas.spark import spark_schema
 from txn_core.log_trim import local_path
 
+_FILE_VERSIONS = StructType([StructField("_file", StringType(), False),
+                             StructField("commit_version", LongType(), False)])
 #: table properties under which a data file's rows are not the table's rows as written
 _READER_PROPERTIES = ("delta.columnMapping.mode",)
 
@@ -134,8 +138,7 @@ def read_appended(spark: SparkSession, files: list[tuple[int, str]],
                   table: TableSchema) -> DataFrame:
     """The rows of `files` (`appended_files`, not empty) in `table`'s
     columns, plus `commit_version`: the version that added each file."""
-    versions = spark.createDataFrame([(os.path.basename(f), v) for v, f in files],
-                                     "_file string, commit_version bigint")
+    versions = local_frame(spark, [(os.path.basename(f), v) for v, f in files], _FILE_VERSIONS)
     rows = (spark.read.schema(spark_schema(table)).parquet(*[f for _, f in files])
             .withColumn("_file", F.col("_metadata.file_name")))
     return (rows.join(F.broadcast(versions), "_file").drop("_file")

@@ -53,9 +53,11 @@ class Counters:
         return df.observe(seen, *aggregates)
 
     def halves(self, half: DataFrame) -> DataFrame:
-        """`half`, the new half rows, counted (read, and set aside as rejected)."""
+        """`half`, the new half rows `T.with_reject_reason`, counted (read,
+        and set aside as rejected)."""
         return self._observe("half", half, _rows().alias("half_read"),
-                             _where(T.half_reject_reason().isNotNull()).alias("rejected_halves"))
+                             _where(F.col(T.REJECT_REASON).isNotNull())
+                             .alias("rejected_halves"))
 
     def pending(self, pending_prev: DataFrame) -> DataFrame:
         return self._observe("pending", pending_prev, _rows().alias("pending_before"))

@@ -22,6 +22,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import LongType
 
 from jobs import appends, commits
+from jobs.local import local_frame
 from schemas import (CHECK_ANSWERS, CHECK_REQUESTS, DISCARD, HALF, OP, PENDING, QUEUES,
                      REJECTED, RESOLVED, RUNS, TOPIC, TableSchema, table_path, topic_path)
 from schemas.arrow import arrow_schema
@@ -107,7 +108,7 @@ def empty(spark: SparkSession, table: TableSchema, with_commit_version: bool = F
     schema = spark_schema(table)
     if with_commit_version:
         schema = schema.add("commit_version", LongType(), False)
-    return spark.createDataFrame([], schema)
+    return local_frame(spark, [], schema)
 
 
 def snapshot(spark: SparkSession, path: str, table: TableSchema, version: int) -> DataFrame:

@@ -132,15 +132,29 @@ def half_reject_reason() -> Column:
             .when(F.col("queue_id") < 0, F.lit("negative queue_id")))
 
 
+#: the column `with_reject_reason` adds
+REJECT_REASON = "_reject_reason"
+
+
+def with_reject_reason(new_half: DataFrame) -> DataFrame:
+    """`new_half` with `half_reject_reason` as REJECT_REASON: evaluated once
+    per row for all that reads it (the split, the counters), where a regular
+    expression per row and reader was ~5 % of a run's CPU."""
+    return new_half.withColumn(REJECT_REASON, half_reject_reason())
+
+
 def split_halves(new_half: DataFrame, rules: Rules) -> tuple[DataFrame, DataFrame]:
-    """(accepted half rows, REJECTED rows for the others)."""
-    tagged = new_half.withColumn("_reason", half_reject_reason())
-    accepted = tagged.where(F.col("_reason").isNull()).drop("_reason")
-    rejected = (tagged.where(F.col("_reason").isNotNull())
+    """(accepted half rows, REJECTED rows for the others); `new_half` may
+    come `with_reject_reason` already."""
+    tagged = (new_half if REJECT_REASON in new_half.columns
+              else with_reject_reason(new_half))
+    reason = F.col(REJECT_REASON)
+    accepted = tagged.where(reason.isNull()).drop(REJECT_REASON)
+    rejected = (tagged.where(reason.isNotNull())
                 .select(F.lit(HALF.path).alias("source_table"),
                         F.col("half_offset").alias("row_offset"),
                         "transaction_id", "producer_group",
-                        F.col("_reason").alias("reason"),
+                        reason.alias("reason"),
                         F.lit(rules.run_id).alias("run_id")))
     return accepted, conform(rejected, REJECTED)
 

@@ -5,7 +5,7 @@ derives Spark StructTypes (`schemas.spark`); `tests/test_schemas.py` proves the
 two agree. Column names of the public tables are fixed by SPEC §2.
 """
 from schemas.tables import (  # noqa: F401
-    ALL_TABLES, CHECK_ANSWERS, CHECK_REQUESTS, DISCARD, HALF, LEASE, OP, PENDING,
-    PRODUCERS, QUEUES, REJECTED, RESOLVED, RUNS, TOPIC, Column, TableSchema, table_path,
-    topic_path,
+    ALL_TABLES, CHECK_ANSWERS, CHECK_REQUESTS, DISCARD, DISTINCT_COLUMNS, HALF, LEASE, OP,
+    PENDING, PRODUCERS, QUEUES, REJECTED, RESOLVED, RUNS, TOPIC, Column, TableSchema,
+    table_path, topic_path,
 )

@@ -37,6 +37,13 @@ class TableSchema:
         raise KeyError(f"{self.path} has no column {name!r}")
 
 
+#: columns whose values are (nearly) all distinct wherever they appear: ids,
+#: offsets, message keys and bodies. A parquet dictionary of them never pays
+#: off, so the job's writer builds none (`jobs.commits`).
+DISTINCT_COLUMNS = frozenset({"half_offset", "op_offset", "queue_offset", "transaction_id",
+                              "msg_id", "request_id", "keys", "body"})
+
+
 def _cols(*specs: tuple) -> tuple[Column, ...]:
     return tuple(Column(*s) for s in specs)
 

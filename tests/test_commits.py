@@ -144,3 +144,18 @@ def test_a_split_write_stages_each_tables_rows_in_one_job_and_commits_each(spark
     # a table Delta's writer must write makes the caller write one table at a time
     spark.sql(f"ALTER TABLE delta.`{paths['PAY']}` ADD CONSTRAINT c CHECK (queue_offset >= 0)")
     assert state.split_tables(rows, "topic", paths) is None
+
+
+def test_distinct_columns_are_written_without_a_dictionary(spark, warehouse):
+    import pyarrow.parquet as pq
+    path = _topic_table(spark, warehouse)
+    assert state.write_for_run(_topic_rows(spark, range(100)).coalesce(1), path, 7,
+                               "topics/ORDER")
+    (add,) = _last_adds(path)
+    meta = pq.ParquetFile(os.path.join(path, add["path"])).metadata
+    chunks = {meta.row_group(0).column(i).path_in_schema: meta.row_group(0).column(i)
+              for i in range(meta.num_columns)}
+    for name in ("queue_offset", "half_offset", "msg_id", "body"):
+        assert not chunks[name].has_dictionary_page, name
+    # the others keep parquet's default: a dictionary for repeated values
+    assert chunks["producer_group"].has_dictionary_page

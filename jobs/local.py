@@ -1,0 +1,38 @@
+"""Small DataFrames made of rows the driver holds: a run's few rows of its
+own (which file a commit added, each queue's last offset) and its empty
+frames (no history to look up).
+
+Why not `spark.createDataFrame(rows)`: from a Python list, Spark makes an
+RDD of pickled rows, and every job whose plan holds one runs tasks in
+Python workers to unpickle them, even for no rows at all (an empty list is
+still two partitions). A run had a dozen such jobs and tasks. From an Arrow
+table, Spark makes a local relation instead: the rows travel inside the
+plan, no task reads them, and the optimizer removes an empty one from the
+plan altogether.
+
+    >>> from pyspark.sql.types import IntegerType, StringType, StructField
+    >>> schema = StructType([StructField("topic", StringType()),
+    ...                      StructField("queue_id", IntegerType())])
+    >>> local_frame(spark, [("ORDER", 3)], schema).collect()    # doctest: +SKIP
+    [Row(topic='ORDER', queue_id=3)]
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import pyarrow as pa
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.types import StructType
+
+
+def local_frame(spark: SparkSession, rows: Sequence[tuple], schema: StructType) -> DataFrame:
+    """`rows` (tuples in `schema`'s column order; none for an empty frame)
+    as a DataFrame of exactly `schema`, types and nullability included."""
+    arrow = to_arrow_schema(schema)
+    if rows:
+        columns = [pa.array(list(values), type=f.type) for values, f in zip(zip(*rows), arrow)]
+        table = pa.Table.from_arrays(columns, schema=arrow)
+    else:
+        table = arrow.empty_table()
+    return spark.createDataFrame(table, schema)
