@@ -55,12 +55,13 @@ HISTORY_IN_LIST_MAX = 10_000
 #: (`T.remaining_pending`); above, both sides are shuffled, which moves every
 #: message through a sort
 BROADCAST_MAX_ROWS = 1_000_000
+#: output tables written at once (independent writes; see _Writes)
+PARALLEL_WRITES = 4
+#: the driver's own small frames (`jobs.local`): history keys, each queue's last offset
 _HALF_OFFSETS = StructType([StructField("half_offset", LongType(), False)])
 _QUEUE_ENDS = StructType([StructField("topic", StringType(), False),
                           StructField("queue_id", IntegerType(), False),
                           StructField("queue_offset", LongType(), False)])
-#: output tables written at once (independent writes; see _write_outputs)
-PARALLEL_WRITES = 4
 
 
 @dataclass
@@ -379,13 +380,13 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held
         known, broadcast=c["committed"] <= BROADCAST_MAX_ROWS)
     if writing and delivered_by_topic:  # the biggest write: started before the others are planned
         _start_deliveries(spark, wh, T.deliveries(delivered, rules), delivered_by_topic, writes)
-    kept = T.with_bodies(fates.where(F.col("decision") != T.DELIVER), known,
-                         broadcast=_kept_rows(c) <= BROADCAST_MAX_ROWS)
-    if writing and len(_tables_of_kept(c)) > 1:
-        kept = held.checkpoint(kept)
+    undelivered = T.with_bodies(fates.where(F.col("decision") != T.DELIVER), known,
+                                broadcast=_undelivered_rows(c) <= BROADCAST_MAX_ROWS)
+    if writing and len(_tables_of_undelivered(c)) > 1:
+        undelivered = held.checkpoint(undelivered)
 
     def with_decision(*decisions: str):
-        return kept.where(F.col("decision").isin(*decisions))
+        return undelivered.where(F.col("decision").isin(*decisions))
 
     return _Outputs(
         requests=T.check_requests(with_decision(T.CHECK), rules),
@@ -396,12 +397,12 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held
         counts=c, delivered_by_topic=delivered_by_topic)
 
 
-def _kept_rows(c: dict) -> int:
+def _undelivered_rows(c: dict) -> int:
     """How many messages this run discards or keeps pending: its fates but deliveries."""
     return c["pending_after"] + c["discarded_max_checks"] + c["discarded_expired"]
 
 
-def _tables_of_kept(c: dict) -> list[str]:
+def _tables_of_undelivered(c: dict) -> list[str]:
     """The tables this run writes from the messages it does not deliver."""
     wanted = {CHECK_REQUESTS.path: c["check_requests"],
               DISCARD.path: c["discarded_max_checks"] or c["discarded_expired"],

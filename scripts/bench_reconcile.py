@@ -4,14 +4,16 @@ In one invocation:
   1. a run over B new messages on an empty warehouse (H = 0);
   2. a run over B new messages after a history of H = 10 x B resolved ones;
      the ratio 2/1 shows whether the run scales with what is new, not with history
-     (target <= 1.3). Each run is done twice, first on a copy of its
-     warehouse, and measured the second time, as the lower bound is (the
-     first time is printed too);
+     (target <= 1.3). Each run is done once unmeasured on a copy of its
+     warehouse (its first time, printed too), then --repeats times measured,
+     each on a fresh copy (the last run over B, H = 0, in place);
   3. the lower bound: Spark reading the same B new half + OP rows (as the job
-     reads them, jobs.appends) and writing the delivered rows once, measured
-     the second time it runs; ratio run/lower bound (target <= 3), all
-     to one table; and the same rows each written to its topic's table (the
-     job's 4 topics: 4 tables), which is what delivering them takes at least;
+     reads them, jobs.appends) and writing the delivered rows once, all to
+     one table: once unmeasured, then --repeats times, each right after a
+     measured run of 2; ratio of the medians run/lower bound (target <= 3),
+     and each repetition's; and the same rows each written to its topic's
+     table (the job's 4 topics: 4 tables), which is what delivering them
+     takes at least (its second time);
   4. the wall time of `txn-reconcile run` with nothing new, Spark start included,
      in a fresh process (target <= 20 s);
   5. a small run: SMALL new messages on the warehouse of run 1, in the same
@@ -34,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from statistics import median
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -166,11 +169,18 @@ def lower_bound_by_topic(spark, warehouse: str, start_half_v: int, start_op_v: i
     return timed(run)[0]
 
 
+def _all(values: list[float], digits: int = 1) -> str:
+    return "[" + ", ".join(f"{v:.{digits}f}" for v in values) + "]"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--batch", type=int, default=1_000_000, help="B, new messages per run")
     p.add_argument("--history-factor", type=int, default=10, help="H = factor x B")
     p.add_argument("--body-bytes", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="measured repetitions of each run and of the lower bound "
+                        "(their medians are compared)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     args = p.parse_args(argv)
     b, h = args.batch, args.history_factor * args.batch
@@ -194,33 +204,42 @@ def main(argv=None) -> None:
     fill(hist, 0, h, args.body_bytes, NOW - 10_000, leave_pending=False)
     t_build, _ = timed(lambda: reconcile(spark, cfg(hist), now_ms=NOW))
 
-    def run_twice(warehouse: str) -> tuple[float, float, object]:
-        """(first time, second time, summary): the run over a copy of
-        `warehouse` first, then over `warehouse` itself, the same inputs
-        and the same plans. The second is the one compared, as the lower
-        bound's second time is: the first also pays for what Spark compiles
-        or sizes for the first time in the session."""
-        copy = warehouse + "-first-time"
-        shutil.copytree(warehouse, copy)
-        t_first, _ = timed(lambda: reconcile(spark, cfg(copy), now_ms=NOW + 1000))
-        shutil.rmtree(copy)
-        t_second, summary = timed(lambda: reconcile(spark, cfg(warehouse), now_ms=NOW + 1000))
-        return t_first, t_second, summary
+    def run(warehouse: str, copy: bool = True) -> tuple[float, object]:
+        """(seconds, summary) of the run over `warehouse`, or over a copy of
+        it, left as it was for the next repetition (the same inputs, the
+        same plans)."""
+        target = warehouse + "-copy" if copy else warehouse
+        if copy:
+            shutil.copytree(warehouse, target)
+        took, summary = timed(lambda: reconcile(spark, cfg(target), now_ms=NOW + 1000))
+        if copy:
+            shutil.rmtree(target)
+        return took, summary
 
+    # Each run once unmeasured (its "first time": it also pays for what
+    # Spark compiles or sizes for the first time in the session), then
+    # `repeats` times measured, alternated with the lower bound: the JVM's
+    # compiler keeps warming up over the first runs of a session, and one
+    # measurement of each side, taken at different moments, compared that
+    # as much as the two.
     fresh = os.path.join(root, "fresh")
     fill(fresh, 0, b, args.body_bytes, NOW, leave_pending=True)
-    t_fresh_1, t_fresh, s_fresh = run_twice(fresh)
+    t_fresh_1, _ = run(fresh)
+    fresh_runs = [run(fresh, copy=r < args.repeats - 1) for r in range(args.repeats)]
+    t_fresh, s_fresh = median([t for t, _ in fresh_runs]), fresh_runs[-1][1]
 
     from deltalake import DeltaTable
     half_v = DeltaTable(table_path(hist, HALF)).version()
     op_v = DeltaTable(table_path(hist, OP)).version()
     fill(hist, h, b, args.body_bytes, NOW, leave_pending=True)
-    t_hist_1, t_hist, s_hist = run_twice(hist)
-
-    # Twice, the second measured: the runs above reuse the code Spark compiled
-    # for the same plans in earlier runs, so the lower bound gets that too.
+    t_hist_1, _ = run(hist)
     lower_bound(spark, hist, half_v, op_v, os.path.join(root, "lower_bound_warm_up"))
-    t_lower = lower_bound(spark, hist, half_v, op_v, os.path.join(root, "lower_bound"))
+    hist_times, lower_times = [], []
+    for r in range(args.repeats):
+        hist_times.append(run(hist)[0])
+        lower_times.append(lower_bound(spark, hist, half_v, op_v,
+                                       os.path.join(root, f"lower_bound-{r}")))
+    t_hist, t_lower = median(hist_times), median(lower_times)
     lower_bound_by_topic(spark, hist, half_v, op_v, os.path.join(root, "by_topic_warm_up"))
     t_by_topic = lower_bound_by_topic(spark, hist, half_v, op_v, os.path.join(root, "by_topic"))
 
@@ -236,14 +255,16 @@ def main(argv=None) -> None:
 
     print(f"B = {b:,} new messages per run (85% commit, 10% rollback, 5% pending), "
           f"H = {h:,} resolved before, body {args.body_bytes} B, cores = {os.cpu_count()}")
-    print(f"run over B, H = 0            : {t_fresh:8.1f} s  (first time {t_fresh_1:.1f} s; "
-          f"committed {s_fresh.committed:,}, rolled back {s_fresh.rolled_back:,}, "
-          f"pending {s_fresh.pending_after:,})")
-    print(f"run over B, H = {h:<12,}: {t_hist:8.1f} s  (first time {t_hist_1:.1f} s; "
-          f"history run itself {t_build:.1f} s)")
+    print(f"medians of {args.repeats} measured repetitions; all of them in brackets")
+    print(f"run over B, H = 0            : {t_fresh:8.1f} s  {_all([t for t, _ in fresh_runs])} "
+          f"(first time {t_fresh_1:.1f} s; committed {s_fresh.committed:,}, "
+          f"rolled back {s_fresh.rolled_back:,}, pending {s_fresh.pending_after:,})")
+    print(f"run over B, H = {h:<12,}: {t_hist:8.1f} s  {_all(hist_times)} "
+          f"(first time {t_hist_1:.1f} s; history run itself {t_build:.1f} s)")
     print(f"history ratio                : {t_hist / t_fresh:8.2f}   (target <= 1.3)")
-    print(f"lower bound (read B, write delivered once; 2nd time): {t_lower:.1f} s")
-    print(f"run / lower bound            : {t_hist / t_lower:8.2f}   (target <= 3; "
+    print(f"lower bound (read B, write delivered once): {t_lower:.1f} s  {_all(lower_times)}")
+    print(f"run / lower bound            : {t_hist / t_lower:8.2f}   (target <= 3; each "
+          f"repetition: {_all([t / lt for t, lt in zip(hist_times, lower_times)], 2)}; "
           f"first time / lower bound {t_hist_1 / t_lower:.2f})")
     print(f"the same rows to their {len(TOPICS)} topic tables (2nd time): {t_by_topic:.1f} s; "
           f"run / that: {t_hist / t_by_topic:.2f}")
