@@ -527,18 +527,16 @@ def _write_outputs(wh: str, out: _Outputs, writes: _Writes) -> None:
 def _output_writes(wh: str, out: _Outputs) -> list[tuple]:
     """(DataFrame, table path, app id, save mode) of each table this run
     changes, but the topics and `_sys/resolved`."""
-    c, writes = out.counts, []
-    if c["check_requests"]:
-        writes.append((out.requests, table_path(wh, CHECK_REQUESTS), CHECK_REQUESTS.path,
-                       "append"))
-    if c["discarded_max_checks"] or c["discarded_expired"]:
-        writes.append((out.discards, table_path(wh, DISCARD), DISCARD.path, "append"))
+    c = out.counts
+    frames = {CHECK_REQUESTS: (out.requests, "append"), DISCARD: (out.discards, "append"),
+              PENDING: (out.pending, "overwrite")}
+    writes = [(df, table_path(wh, table), table.path, mode)
+              for table, (df, mode) in frames.items()
+              if table.path in _tables_of_undelivered(c)]
     if c["rejected_halves"] or c["invalid_ops"] or c["late_ops"]:
         writes.append((out.rejected, table_path(wh, REJECTED), REJECTED.path, "append"))
     if out.delivered_by_topic:
         writes.append((out.queues, table_path(wh, QUEUES), QUEUES.path, "overwrite"))
-    if _pending_changed(c):
-        writes.append((out.pending, table_path(wh, PENDING), PENDING.path, "overwrite"))
     return writes
 
 
