@@ -39,6 +39,7 @@ from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from jobs import state
+from jobs.local import local_frame
 from schemas import (CHECK_REQUESTS, DISCARD, HALF, OP, PENDING, QUEUES, REJECTED, RESOLVED,
                      RUNS, TOPIC, TableSchema, table_path, topic_path)
 from schemas.spark import spark_schema
@@ -117,7 +118,7 @@ class VerifyReport:
 
 def _read(spark: SparkSession, path: str, schema, version: int | None = None) -> DataFrame:
     if not state.is_delta(path) or (version is not None and version < 0):
-        return spark.createDataFrame([], schema)
+        return local_frame(spark, [], schema)
     reader = spark.read.format("delta")
     if version is not None:
         reader = reader.option("versionAsOf", version)
@@ -569,7 +570,7 @@ def verify(spark: SparkSession, config) -> VerifyReport:
             df = df.where(F.col("run_id") != F.lit(ignored_run))
         delivered_rows = df if delivered_rows is None else delivered_rows.unionByName(df)
     if delivered_rows is None:
-        delivered_rows = spark.createDataFrame([], spark_schema(TOPIC)).withColumn(
+        delivered_rows = local_frame(spark, [], spark_schema(TOPIC)).withColumn(
             "found_topic", F.lit(None).cast("string"))
     delivered_rows = delivered_rows.cache()
 

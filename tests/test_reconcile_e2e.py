@@ -104,6 +104,20 @@ def test_runs_resolve_deliver_check_and_discard_across_runs(spark, warehouse):
     assert not report.interrupted
 
 
+def test_a_rejected_half_is_never_delivered_even_when_committed(spark, warehouse):
+    # a valid topic: were the rejected row joined with a fate, it would land in topics/ORDER
+    good, bad = fx.half(store_ms=T0), fx.half(store_ms=T0, topic="ORDER", queue_id=-1)
+    fx.write_halves(warehouse, good, bad)
+    fx.write_ops(warehouse, fx.op(good), fx.op(bad))
+
+    summary = reconcile(spark, {"warehouse": warehouse}, now_ms=T0)
+
+    assert (summary.rejected_halves, summary.committed, summary.invalid_ops) == (1, 1, 1)
+    assert [r["half_offset"] for r in rows(topic_path(warehouse, "ORDER"))] == \
+        [good["half_offset"]]
+    assert summary.pending_after == 0
+
+
 def test_delta_rs_reads_check_requests_and_topics_with_change_feed(spark, warehouse):
     h1, h2 = fx.half(store_ms=0), fx.half(store_ms=0)
     fx.write_halves(warehouse, h1, h2)
