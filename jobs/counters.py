@@ -77,7 +77,7 @@ class Counters:
             _where(F.col("reason") == T.UNKNOWN_OFFSET).alias("_unknown_offset_ops"))
 
     def fates(self, fates: DataFrame, rules: T.Rules) -> DataFrame:
-        """`fates` (queue positions and decided pending messages), counted by
+        """`fates` (`T.decide` on the messages no OP decided), counted by
         decision, with the age of the oldest still pending and the earliest
         clock at which one becomes due (`T.due_at_ms` as the next run sees it)."""
         decision = F.col("decision")

@@ -274,13 +274,13 @@ def _new_intent(spark, wh: str, last: state.RunRecord | None, cfg: Config,
 
 @dataclass
 class _Outputs:
-    """The run's output tables but the topics and `_sys/resolved` (whose
-    writes `_compute` starts) as DataFrames, and its counters."""
+    """The run's output tables but the topics, `_sys/queues` and
+    `_sys/resolved` (whose writes `_compute` starts) as DataFrames, and its
+    counters."""
 
     requests: object
     discards: object
     rejected: object
-    queues: object
     pending: object
     counts: dict = field(default_factory=dict)
     delivered_by_topic: dict = field(default_factory=dict)
@@ -320,16 +320,18 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held
     """The run's outputs (`jobs.transforms`' docstring has the order).
 
     The rules run on the messages' keys; the keys, the classified OPs and
-    the decisions are each computed once and kept (`jobs.held`), and the
-    counters are taken while they are (`jobs.counters`). Then the decided
-    messages are joined with their bodies: the delivered ones by the write
-    of their topics (one pass, however many topics), the others (pending,
-    checked, discarded: few) by a pass of their own, kept when more than one
-    table takes rows from it. Keeping the delivered rows with their bodies
-    instead, to write them from there, cost ~0.5 s more of a million-message
-    run on 2 cores than reading the bodies twice. The resolved rows are
-    known once the OPs are classified, the deliveries once their queue
-    offsets are: each write starts then (`writes`) and runs beside the
+    the decisions on the undecided messages are each computed once and kept
+    (`jobs.held`), and the counters are taken while they are
+    (`jobs.counters`). Once the OPs are classified, the winners say all the
+    writes of deliveries need: each queue's count (`T.queue_ends`: the
+    topics to write, the next queues) and, placed in their queues, the rows
+    the topics' write joins with their bodies (one pass, however many
+    topics). The messages not delivered (pending, checked, discarded: few)
+    are joined with their bodies by a pass of their own, kept when more
+    than one table takes rows from it. Keeping the delivered rows with their
+    bodies instead, to write them from there, cost ~0.5 s more of a
+    million-message run on 2 cores than reading the bodies twice. Each write
+    starts as soon as its rows are known (`writes`) and runs beside the
     rest. No `writes` (a dry run): the counters only, the bodies are never
     read.
     """
@@ -359,28 +361,30 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held
     classified, discard_hist = _with_history(spark, wh, record, classified, held, counted)
     c = counted.values()
     won = T.winners(classified)
+    # before any write: Spark gives a job's tasks the cores in the order
+    # the jobs came, and this small one would wait for a write's
+    queue_ends = sorted(tuple(row) for row in T.queue_ends(won, queues).collect())
+    delivered_by_topic = _delivered_by_topic(queue_ends)
+    if writing and delivered_by_topic:  # a few rows, written first for the same reason
+        writes.start(T.next_queues(queues, _queue_ends_frame(spark, queue_ends), rules)
+                     .coalesce(1), table_path(wh, QUEUES), QUEUES.path, "overwrite")
     if writing and (c["committed"] or c["rolled_back"]):
         writes.start(T.resolved_rows(won, rules), table_path(wh, RESOLVED), RESOLVED.path,
                      "append")
-    positions = T.queue_positions(won, queues)
+    known = T.known_messages(messages, discard_hist)
+    if writing and delivered_by_topic:  # the biggest write: started before the others are planned
+        delivered = T.with_bodies(T.queue_positions(won, queues), known,
+                                  broadcast=c["committed"] <= BROADCAST_MAX_ROWS)
+        _start_deliveries(spark, wh, T.deliveries(delivered, rules), delivered_by_topic, writes)
     few_won = c["committed"] + c["rolled_back"] <= BROADCAST_MAX_ROWS
     undecided = T.remaining_pending(live, won, broadcast=few_won)
-    decided = T.decide(T.apply_answers(undecided, answers), rules)
-    fates = held.checkpoint(counted.fates(
-        positions.unionByName(decided, allowMissingColumns=True), rules))
+    decided = held.checkpoint(counted.fates(
+        T.decide(T.apply_answers(undecided, answers), rules), rules))
     c = {k: v for k, v in counted.values().items() if not k.startswith("_")}
-    c["answers_read"] = answers.count()
-    queue_ends = _queue_ends(fates)
-    delivered_by_topic = _delivered_by_topic(queue_ends)
-
-    known = T.known_messages(messages, discard_hist)
-    delivered = T.with_bodies(
-        fates.where(F.col("decision") == T.DELIVER)
-        .select("half_offset", "decision", "queue_offset", "commit_ms"),
-        known, broadcast=c["committed"] <= BROADCAST_MAX_ROWS)
-    if writing and delivered_by_topic:  # the biggest write: started before the others are planned
-        _start_deliveries(spark, wh, T.deliveries(delivered, rules), delivered_by_topic, writes)
-    undelivered = T.with_bodies(fates.where(F.col("decision") != T.DELIVER), known,
+    # no new version: nothing to count, and no Spark job to wait for
+    c["answers_read"] = (answers.count() if record.answers_version > record.prev_answers_version
+                         else 0)
+    undelivered = T.with_bodies(decided, known,
                                 broadcast=_undelivered_rows(c) <= BROADCAST_MAX_ROWS)
     if writing and len(_tables_of_undelivered(c)) > 1:
         undelivered = held.checkpoint(undelivered)
@@ -392,7 +396,6 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held
         requests=T.check_requests(with_decision(T.CHECK), rules),
         discards=T.discards(with_decision(T.EXPIRED, T.MAX_CHECKS), rules),
         rejected=rejected_halves.unionByName(T.op_rejections(classified, rules)),
-        queues=T.next_queues(queues, _queue_ends_frame(spark, queue_ends), rules),
         pending=T.next_pending(with_decision(T.CHECK, T.WAIT), rules),
         counts=c, delivered_by_topic=delivered_by_topic)
 
@@ -438,16 +441,6 @@ def _with_history(spark, wh: str, record: state.RunRecord, classified, held: Hel
     return held.checkpoint(counted.ops(reclassified)), discarded
 
 
-def _queue_ends(fates) -> list[tuple]:
-    """(topic, queue_id, rows delivered, last queue_offset) of each queue this
-    run delivers to, from its kept fates. The last offsets give the next
-    QUEUES table without reading the deliveries again."""
-    ends = (fates.where(F.col("decision") == T.DELIVER)
-            .groupBy("topic", "queue_id")
-            .agg(F.count(F.lit(1)), F.max("queue_offset")).collect())
-    return sorted(tuple(row) for row in ends)
-
-
 def _delivered_by_topic(queue_ends: list[tuple]) -> dict[str, int]:
     by_topic: dict[str, int] = {}
     for topic, _queue_id, n, _last in queue_ends:
@@ -456,7 +449,7 @@ def _delivered_by_topic(queue_ends: list[tuple]) -> dict[str, int]:
 
 
 def _queue_ends_frame(spark, queue_ends: list[tuple]):
-    """`_queue_ends` as the rows `T.next_queues` takes (the last
+    """`T.queue_ends` as the rows `T.next_queues` takes (the last
     delivered queue_offset of each queue)."""
     return local_frame(spark, [(t, q, last) for t, q, _n, last in queue_ends], _QUEUE_ENDS)
 
@@ -518,7 +511,7 @@ def _start_deliveries(spark, wh: str, delivered, topics, writes: _Writes) -> Non
 
 def _write_outputs(wh: str, out: _Outputs, writes: _Writes) -> None:
     """Write every output table of the run but those `_compute` started
-    (`_sys/resolved`, the topics), and wait for all."""
+    (`_sys/queues`, `_sys/resolved`, the topics), and wait for all."""
     for df, path, app, mode in _output_writes(wh, out):
         writes.start(df, path, app, mode)
     writes.finish()
@@ -526,7 +519,7 @@ def _write_outputs(wh: str, out: _Outputs, writes: _Writes) -> None:
 
 def _output_writes(wh: str, out: _Outputs) -> list[tuple]:
     """(DataFrame, table path, app id, save mode) of each table this run
-    changes, but the topics and `_sys/resolved`."""
+    changes, but those `_compute` starts."""
     c = out.counts
     frames = {CHECK_REQUESTS: (out.requests, "append"), DISCARD: (out.discards, "append"),
               PENDING: (out.pending, "overwrite")}
@@ -535,8 +528,6 @@ def _output_writes(wh: str, out: _Outputs) -> list[tuple]:
               if table.path in _tables_of_undelivered(c)]
     if c["rejected_halves"] or c["invalid_ops"] or c["late_ops"]:
         writes.append((out.rejected, table_path(wh, REJECTED), REJECTED.path, "append"))
-    if out.delivered_by_topic:
-        writes.append((out.queues, table_path(wh, QUEUES), QUEUES.path, "overwrite"))
     return writes
 
 

@@ -9,8 +9,8 @@ with identical outputs (I4).
 Order of a run, top to bottom:
   split_halves -> live_messages -> message_keys -> op_targets -> classify_ops
   (-> unmatched_op_keys -> history lookup -> reclassify_with_history, for OPs
-  naming no live message) -> winners -> queue_positions / next_queues /
-  resolved_rows; remaining_pending -> apply_answers -> decide;
+  naming no live message) -> winners -> queue_ends / next_queues /
+  queue_positions / resolved_rows; remaining_pending -> apply_answers -> decide;
   known_messages -> with_bodies -> deliveries / discards / check_requests /
   next_pending
 
@@ -327,6 +327,25 @@ def queue_positions(won: DataFrame, queues: DataFrame) -> DataFrame:
                      + F.row_number().over(order) - 1).alias("queue_offset"),
                     F.col("op_store_ms").alias("commit_ms"),
                     F.lit(DELIVER).alias("decision")))
+
+
+def queue_ends(won: DataFrame, queues: DataFrame) -> DataFrame:
+    """(topic, queue_id, delivered, last_queue_offset) of each queue the
+    winning COMMITs of `won` go to: what `queue_positions` will say of each
+    queue, known without placing a message. Its offsets are dense from the
+    queue's next one, so counting a queue's COMMITs gives its last offset.
+
+    What it is for: the topics to write and the next QUEUES table are known
+    as soon as the OPs are classified, before any message has its place
+    (a grouping of the winners, not a sort of them).
+    """
+    base = queues.select("topic", "queue_id", "next_queue_offset")
+    return (won.where(F.col("action") == "COMMIT")
+            .groupBy("topic", "queue_id").agg(F.count(F.lit(1)).alias("delivered"))
+            .join(base, ["topic", "queue_id"], "left")
+            .select("topic", "queue_id", "delivered",
+                    (F.coalesce(F.col("next_queue_offset"), F.lit(0)) + F.col("delivered") - 1)
+                    .alias("last_queue_offset")))
 
 
 def known_messages(messages: DataFrame, discarded: DataFrame) -> DataFrame:

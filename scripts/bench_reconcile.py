@@ -178,7 +178,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=1_000_000, help="B, new messages per run")
     p.add_argument("--history-factor", type=int, default=10, help="H = factor x B")
     p.add_argument("--body-bytes", type=int, default=100)
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--repeats", type=int, default=5,
                    help="measured repetitions of each run and of the lower bound "
                         "(their medians are compared)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")

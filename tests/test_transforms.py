@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 from chispa import assert_df_equality
+from pyspark.sql import functions as F
 
 import factories as fx
 from jobs import transforms as T
@@ -321,6 +322,29 @@ def test_deliveries_dense_per_queue_in_commit_order_continuing_previous(spark):
     nxt = T.next_queues(queues, positions, r).select(
         "topic", "queue_id", "next_queue_offset")
     assert sorted(map(tuple, nxt.collect())) == [("ORDER", 0, 12), ("ORDER", 1, 1), ("PAY", 0, 1)]
+
+
+def test_queue_ends_say_what_queue_positions_will(spark):
+    """The run knows its topics and next queues from `queue_ends`, before any
+    message has its place: for each queue, as many deliveries and the same
+    last offset as `queue_positions` then gives (a queue with a previous
+    end, new queues, a rollback that takes no place, two COMMITs of one
+    message that deliver it once)."""
+    hs = [fx.half(1, queue_id=0), fx.half(2, queue_id=0), fx.half(3, queue_id=1),
+          fx.half(4, queue_id=0, topic="PAY"), fx.half(5, queue_id=0)]
+    ops = [(fx.op(hs[0], op_offset=50), 9), (fx.op(hs[1], op_offset=70), 8),
+           (fx.op(hs[1], op_offset=71), 9), (fx.op(hs[2], op_offset=1), 8),
+           (fx.op(hs[3], op_offset=2), 9), (fx.op(hs[4], "ROLLBACK", op_offset=3), 9)]
+    live = pending_df(spark, *hs)
+    won = T.winners(T.classify_ops(ops_df(spark, *ops),
+                                   T.op_targets(T.message_keys(live), _history(spark))))
+    queues = spark.createDataFrame([{"topic": "ORDER", "queue_id": 0, "next_queue_offset": 10,
+                                     "run_number": 3}], spark_schema(QUEUES))
+    placed = (T.queue_positions(won, queues).groupBy("topic", "queue_id")
+              .agg(F.count(F.lit(1)), F.max("queue_offset")))
+    expected = [("ORDER", 0, 2, 11), ("ORDER", 1, 1, 0), ("PAY", 0, 1, 0)]
+    assert sorted(map(tuple, placed.collect())) == expected
+    assert sorted(map(tuple, T.queue_ends(won, queues).collect())) == expected
 
 
 def test_delivered_row_carries_the_message_byte_identical(spark):
