@@ -200,6 +200,36 @@ def op_targets(live: DataFrame, history: DataFrame) -> DataFrame:
     return pending.unionByName(history)
 
 
+def _sql_strings(values) -> str:
+    """('A', 'B') for SQL's IN, from constants of this module."""
+    return "(" + ", ".join(f"'{v}'" for v in values) + ")"
+
+
+_VALID_OP = f"(action IN {_sql_strings(ACTIONS)} AND source IN {_sql_strings(SOURCES)})"
+_ADMIN_OP = f"({_VALID_OP} AND source = 'ADMIN')"
+# valid OPs first, in commit order; the same for every candidate winner
+_OP_RANK = ("PARTITION BY half_offset, transaction_id, producer_group "
+            f"ORDER BY {_VALID_OP} DESC, commit_version, op_offset")
+# every frame runs from the group's first row: the valid rows come first,
+# so the first row holds the first valid action whenever there is one
+_UPTO_HERE = f"({_OP_RANK} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)"
+_OP_INVALID = f"""CASE WHEN _t_txn IS NULL THEN '{UNKNOWN_OFFSET}'
+    WHEN NOT action IN {_sql_strings(ACTIONS)} THEN 'invalid action'
+    WHEN NOT source IN {_sql_strings(SOURCES)} THEN 'invalid source'
+    WHEN producer_group != _t_group THEN 'producer_group mismatch'
+    WHEN transaction_id != _t_txn THEN 'transaction_id mismatch' END"""
+_DISCARDED = "coalesce(discarded, false)"
+_OP_OUTCOME = f"""CASE WHEN _late THEN '{LATE}'
+    WHEN _invalid IS NOT NULL THEN '{INVALID}'
+    WHEN prior_action IS NULL
+         AND (CASE WHEN {_DISCARDED} THEN _first_admin ELSE _first END) THEN '{WIN}'
+    WHEN action = coalesce(prior_action, CASE WHEN {_DISCARDED} THEN _first_admin_action
+                                              ELSE _first_action END) THEN '{DUPLICATE}'
+    ELSE '{CONFLICT}' END"""
+_CLASSIFY_WORK = ("_t_txn", "_t_group", "prior_action", "_invalid", "_late", "_first",
+                  "_first_action", "_first_admin", "_first_admin_action")
+
+
 def classify_ops(ops: DataFrame, targets: DataFrame, *, discards: bool = True) -> DataFrame:
     """Add `outcome` (WIN, DUPLICATE, CONFLICT, INVALID, LATE) and `reason` to
     each OP, and the `topic`, `queue_id` and `discarded` flag of the message
@@ -218,57 +248,32 @@ def classify_ops(ops: DataFrame, targets: DataFrame, *, discards: bool = True) -
     `discards=False`: no target is a discarded message (the live messages
     never are), so the ADMIN OPs need no ranking of their own: two window
     functions fewer, ~0.6 s of a million OPs' 3 s on 2 cores.
+
+    The rules are SQL text, as in `conform`: built as Columns in Python they
+    took ~1,000 calls into the JVM, ~0.15 s of every run's driver.
     """
-    valid = F.col("action").isin(*ACTIONS) & F.col("source").isin(*SOURCES)
-    admin = valid & (F.col("source") == "ADMIN")
-    # valid OPs first, in commit order; the same for every candidate winner
-    order = (Window.partitionBy("half_offset", "transaction_id", "producer_group")
-             .orderBy(valid.desc(), F.col("commit_version"), F.col("op_offset")))
-    # every frame runs from the group's first row: the valid rows come first,
-    # so the first row holds the first valid action whenever there is one
-    upto_here = order.rowsBetween(Window.unboundedPreceding, Window.currentRow)
-    ranked = (ops.repartition("half_offset")  # the join's partitioning: no second shuffle
-              .withColumn("_first", valid & (F.row_number().over(order) == 1))
-              .withColumn("_first_action", F.first(F.when(valid, F.col("action"))).over(upto_here)))
     if discards:  # for a discarded message, only ADMIN OPs count
-        first_admin = F.count(F.when(admin, 1)).over(upto_here) == 1
-        ranked = (ranked.withColumn("_first_admin", admin & first_admin)
-                  .withColumn("_first_admin_action",
-                              F.first(F.when(admin, F.col("action")), ignorenulls=True)
-                              .over(upto_here)))
+        admin_ranks = (f"{_ADMIN_OP} AND count(CASE WHEN {_ADMIN_OP} THEN 1 END) "
+                       f"OVER {_UPTO_HERE} = 1 AS _first_admin",
+                       f"first(CASE WHEN {_ADMIN_OP} THEN action END, true) "
+                       f"OVER {_UPTO_HERE} AS _first_admin_action")
     else:
-        ranked = (ranked.withColumn("_first_admin", F.lit(False))
-                  .withColumn("_first_admin_action", F.lit(None).cast("string")))
-    t = targets.select("half_offset",
-                       F.col("transaction_id").alias("_t_txn"),
-                       F.col("producer_group").alias("_t_group"),
-                       "topic", "queue_id", "prior_action", "discarded")
-    reason = (F.when(F.col("_t_txn").isNull(), F.lit(UNKNOWN_OFFSET))
-              .when(~F.col("action").isin(*ACTIONS), F.lit("invalid action"))
-              .when(~F.col("source").isin(*SOURCES), F.lit("invalid source"))
-              .when(F.col("producer_group") != F.col("_t_group"),
-                    F.lit("producer_group mismatch"))
-              .when(F.col("transaction_id") != F.col("_t_txn"),
-                    F.lit("transaction_id mismatch")))
-    discarded = F.coalesce(F.col("discarded"), F.lit(False))
-    late = discarded & (F.col("source") != "ADMIN")
-    first = F.when(discarded, F.col("_first_admin")).otherwise(F.col("_first"))
-    first_action = F.when(discarded, F.col("_first_admin_action")).otherwise(F.col("_first_action"))
-    decided = F.coalesce(F.col("prior_action"), first_action)
+        admin_ranks = ("false AS _first_admin", "CAST(NULL AS STRING) AS _first_admin_action")
+    ranked = (ops.repartition("half_offset")  # the join's partitioning: no second shuffle
+              .selectExpr("*", f"{_VALID_OP} AND row_number() OVER ({_OP_RANK}) = 1 AS _first",
+                          f"first(CASE WHEN {_VALID_OP} THEN action END) "
+                          f"OVER {_UPTO_HERE} AS _first_action",
+                          *admin_ranks))
+    t = targets.selectExpr("half_offset", "transaction_id AS _t_txn",
+                           "producer_group AS _t_group", "topic", "queue_id", "prior_action",
+                           "discarded")
     joined = (ranked.join(t, "half_offset", "left")
-              .withColumn("_invalid", reason)
-              .withColumn("_late", F.col("_invalid").isNull() & late))
-    outcome = (F.when(F.col("_late"), F.lit(LATE))
-               .when(F.col("_invalid").isNotNull(), F.lit(INVALID))
-               .when(F.col("prior_action").isNull() & first, F.lit(WIN))
-               .when(F.col("action") == decided, F.lit(DUPLICATE))
-               .otherwise(F.lit(CONFLICT)))
-    return (joined
-            .withColumn("reason", F.coalesce(F.col("_invalid"),
-                                             F.when(F.col("_late"), F.lit("message discarded"))))
-            .withColumn("outcome", outcome)
-            .drop("_t_txn", "_t_group", "prior_action", "_invalid", "_late", "_first",
-                  "_first_action", "_first_admin", "_first_admin_action"))
+              .selectExpr("*", f"{_OP_INVALID} AS _invalid")
+              .selectExpr("*", f"_invalid IS NULL AND {_DISCARDED} AND source != 'ADMIN' AS _late"))
+    kept = [f"`{c}`" for c in joined.columns if c not in _CLASSIFY_WORK]
+    return joined.selectExpr(
+        *kept, "coalesce(_invalid, CASE WHEN _late THEN 'message discarded' END) AS reason",
+        f"{_OP_OUTCOME} AS outcome")
 
 
 def unmatched_op_keys(classified: DataFrame) -> DataFrame:
