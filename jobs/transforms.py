@@ -226,6 +226,7 @@ _OP_OUTCOME = f"""CASE WHEN _late THEN '{LATE}'
     WHEN action = coalesce(prior_action, CASE WHEN {_DISCARDED} THEN _first_admin_action
                                               ELSE _first_action END) THEN '{DUPLICATE}'
     ELSE '{CONFLICT}' END"""
+# the working columns classify_ops drops from what it returns
 _CLASSIFY_WORK = ("_t_txn", "_t_group", "prior_action", "_invalid", "_late", "_first",
                   "_first_action", "_first_admin", "_first_admin_action")
 
