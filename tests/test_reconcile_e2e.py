@@ -11,7 +11,8 @@ from deltalake import DeltaTable
 import factories as fx
 from jobs.reconcile import reconcile
 from jobs.status import status
-from schemas import CHECK_REQUESTS, DISCARD, HALF, REJECTED, RUNS, table_path, topic_path
+from schemas import (CHECK_REQUESTS, DISCARD, HALF, PENDING, REJECTED, RUNS, table_path,
+                     topic_path)
 
 T0 = 10_000_000
 HOUR = 3_600_000
@@ -116,6 +117,24 @@ def test_a_rejected_half_is_never_delivered_even_when_committed(spark, warehouse
     assert [r["half_offset"] for r in rows(topic_path(warehouse, "ORDER"))] == \
         [good["half_offset"]]
     assert summary.pending_after == 0
+
+
+def test_an_undecided_answer_alone_is_counted_in_the_pending_set(spark, warehouse):
+    # nothing new but the answer, and nothing due: the run must still carry it
+    cfg = {"warehouse": warehouse, "check_budget": "answered"}
+    h = fx.half(store_ms=T0 - 10_000)
+    fx.write_halves(warehouse, h)
+    first = reconcile(spark, cfg, now_ms=T0)
+    request = rows(table_path(warehouse, CHECK_REQUESTS))[0]
+    assert first.check_requests == 1
+    fx.write_answers(warehouse, fx.answer(request["request_id"], h, "UNKNOWN"))
+
+    second = reconcile(spark, cfg, now_ms=T0 + 1)
+
+    assert (second.half_read, second.op_read, second.check_requests) == (0, 0, 0)
+    assert not second.idle and second.pending_after == 1
+    pending = rows(table_path(warehouse, PENDING))
+    assert [(r["checks_sent"], r["checks_undecided"]) for r in pending] == [(1, 1)]
 
 
 def test_delta_rs_reads_check_requests_and_topics_with_change_feed(spark, warehouse):
