@@ -43,7 +43,7 @@ from jobs.held import Held  # noqa: E402
 from jobs.local import local_frame  # noqa: E402
 from jobs.lease import EXIT_LEASE_HELD, Lease, LeaseHeld, LeaseLost  # noqa: E402
 from schemas import (CHECK_REQUESTS, DISCARD, HALF, PENDING, QUEUES, REJECTED,  # noqa: E402
-                     RESOLVED, table_path, topic_path)
+                     RESOLVED, table_path)
 from txn_core.config import Config, ConfigError, as_config, load_config  # noqa: E402
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2

@@ -52,9 +52,7 @@ OP_COLUMNS = (*OP.names, "commit_version")
 WIN, DUPLICATE, CONFLICT, INVALID, LATE = "WIN", "DUPLICATE", "CONFLICT", "INVALID", "LATE"
 #: the reason of an OP naming no message `classify_ops` was given
 UNKNOWN_OFFSET = "unknown half_offset"
-# what becomes of a message this run: delivered, or (still pending after
-# resolution) discarded, checked or left waiting
-DELIVER = "DELIVER"
+# what `decide` makes of a message no OP decided: discarded, checked or left waiting
 EXPIRED, MAX_CHECKS, CHECK, WAIT = "EXPIRED", "MAX_CHECKS", "CHECK", "WAIT"
 
 # RocketMQ's topic rule (TopicValidator): 1..127 of [A-Za-z0-9_%|-]. A row
@@ -318,9 +316,9 @@ def winners(classified: DataFrame) -> DataFrame:
 # --- 3. deliveries ---------------------------------------------------------
 
 def queue_positions(won: DataFrame, queues: DataFrame) -> DataFrame:
-    """Where each winning COMMIT goes (`decision` DELIVER): dense queue
-    offsets per (topic, queue_id), continuing the previous maximum, in commit
-    order; `commit_ms` is the winning OP's store time."""
+    """Where each winning COMMIT goes: dense queue offsets per (topic,
+    queue_id), continuing the previous maximum, in commit order; `commit_ms`
+    is the winning OP's store time."""
     base = queues.select("topic", "queue_id", "next_queue_offset")
     order = Window.partitionBy("topic", "queue_id").orderBy("commit_version", "op_offset")
     # only what the ordering and the fate need: every row goes through a sort
@@ -331,8 +329,7 @@ def queue_positions(won: DataFrame, queues: DataFrame) -> DataFrame:
             .select("half_offset", "topic", "queue_id",
                     (F.coalesce(F.col("next_queue_offset"), F.lit(0))
                      + F.row_number().over(order) - 1).alias("queue_offset"),
-                    F.col("op_store_ms").alias("commit_ms"),
-                    F.lit(DELIVER).alias("decision")))
+                    F.col("op_store_ms").alias("commit_ms")))
 
 
 def queue_ends(won: DataFrame, queues: DataFrame) -> DataFrame:
@@ -377,10 +374,9 @@ def with_bodies(fates: DataFrame, messages: DataFrame, *, broadcast: bool = Fals
 
 
 def deliveries(settled: DataFrame, rules: Rules) -> DataFrame:
-    """TOPIC rows (plus `topic`) of the DELIVER rows of `settled` (queue
-    positions joined `with_bodies`)."""
-    rows = (settled.where(F.col("decision") == DELIVER)
-            .withColumn("delivered_ms", F.lit(rules.now_ms))
+    """TOPIC rows (plus `topic`) of `settled` (queue positions joined
+    `with_bodies`)."""
+    rows = (settled.withColumn("delivered_ms", F.lit(rules.now_ms))
             .withColumn("run_id", F.lit(rules.run_id)))
     return conform(rows, TOPIC, "topic")
 
