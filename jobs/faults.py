@@ -3,8 +3,8 @@
 `TXN_FAULT_AT=<step>` names the step at which the run dies. By default the
 run raises `InjectedFault` (in-process tests; the job treats it like a crash
 and leaves its lease behind); with `TXN_FAULT_MODE=exit` the process ends
-at once with `os._exit(FAULT_EXIT_CODE)`, as a kill would: no `finally`,
-no lease release, no flushing.
+at once with `os._exit(FAULT_EXIT_CODE)`, and with `TXN_FAULT_MODE=kill` it
+sends itself SIGKILL: no `finally`, no lease release, no flushing.
 
 Steps: `after_lease`, `after_intent`, then `after:<table path>` after each
 output write (e.g. `after:topics/ORDER`, `after:_sys/pending`; the writes run
@@ -15,6 +15,7 @@ COMMITTED row is written, the lease not yet released).
 from __future__ import annotations
 
 import os
+import signal
 
 FAULT_EXIT_CODE = 97
 
@@ -30,6 +31,9 @@ def fault_point(step: str) -> None:
     SEEN.append(step)
     if os.environ.get("TXN_FAULT_AT") != step:
         return
-    if os.environ.get("TXN_FAULT_MODE") == "exit":
+    mode = os.environ.get("TXN_FAULT_MODE")
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode in ("exit", "kill"):
         os._exit(FAULT_EXIT_CODE)
     raise InjectedFault(f"fault injected at step {step!r}")

@@ -42,6 +42,7 @@ from jobs.faults import InjectedFault, fault_point  # noqa: E402
 from jobs.held import Held  # noqa: E402
 from jobs.local import local_frame  # noqa: E402
 from jobs.lease import EXIT_LEASE_HELD, Lease, LeaseHeld, LeaseLost  # noqa: E402
+from jobs.session import use_warehouse  # noqa: E402
 from schemas import (CHECK_REQUESTS, DISCARD, HALF, PENDING, QUEUES, REJECTED,  # noqa: E402
                      RESOLVED, table_path)
 from txn_core.config import Config, ConfigError, as_config, load_config  # noqa: E402
@@ -120,6 +121,7 @@ def reconcile(spark, config: Config | dict, now_ms: int | None = None, *,
     cfg = as_config(config)
     if now_ms is not None and (not isinstance(now_ms, int) or now_ms < 0):
         raise ConfigError(f"now_ms must be a non-negative integer (ms); got {now_ms!r}")
+    use_warehouse(spark, cfg)
     if dry_run:
         return _dry_run(spark, cfg, now_ms)
     own = lease is None
@@ -141,6 +143,7 @@ def reconcile(spark, config: Config | dict, now_ms: int | None = None, *,
 def recover(spark, config: Config | dict, *, clock=time.time) -> RunSummary | None:
     """Only complete an interrupted run, if there is one (its summary, else None)."""
     cfg = as_config(config)
+    use_warehouse(spark, cfg)
     lease = Lease(cfg.warehouse, cfg.lease_ttl_s, clock=clock).acquire()
     try:
         _ensure_tables(spark, cfg.warehouse)
@@ -198,6 +201,7 @@ def idle_ahead(config: Config | dict, now_ms: int | None = None) -> bool:
     alone (delta-rs), so before any JVM starts. Only a prediction: data that
     arrives between this call and the run makes a full run, as it should."""
     cfg = as_config(config)
+    use_warehouse(None, cfg)
     last = state.last_run(cfg.warehouse)
     if last is None:
         return False
@@ -588,6 +592,16 @@ def _commit(wh: str, record: state.RunRecord, summary: RunSummary) -> state.RunR
 
 _RULE_FLAGS = ("transaction_timeout_ms", "check_max", "check_interval_ms", "reserved_hours",
                "max_checks_per_run", "check_budget", "lease_ttl_s")
+#: the object store's settings (docs/operating.md, "A warehouse on S3")
+_STORE_FLAGS = {"s3_endpoint": str, "s3_region": str, "s3_path_style": "bool",
+                "s3_allow_http": "bool"}
+
+
+def _boolean(text: str) -> bool:
+    value = {"true": True, "false": False}.get(text.strip().lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -597,6 +611,11 @@ def build_parser() -> argparse.ArgumentParser:
     for key in _RULE_FLAGS:
         kind = str if key == "check_budget" else int
         common.add_argument("--" + key.replace("_", "-"), type=kind, default=None,
+                            help=f"override configuration key {key}")
+    for key, store_kind in _STORE_FLAGS.items():
+        common.add_argument("--" + key.replace("_", "-"), default=None,
+                            type=_boolean if store_kind == "bool" else str,
+                            metavar="true|false" if store_kind == "bool" else None,
                             help=f"override configuration key {key}")
     parser = argparse.ArgumentParser(
         prog="txn-reconcile",
@@ -623,7 +642,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args.conf, warehouse=args.warehouse,
-                          **{k: getattr(args, k) for k in _RULE_FLAGS})
+                          **{k: getattr(args, k) for k in (*_RULE_FLAGS, *_STORE_FLAGS)})
+        # An object store is checked before the lease or Spark: exit 2 names what is wrong.
+        use_warehouse(None, cfg)
         return _COMMANDS[args.command](args, cfg)
     except ConfigError as exc:
         return _fail(EXIT_USAGE, f"bad configuration: {exc}")
@@ -691,7 +712,7 @@ def _cmd_verify(args, cfg: Config) -> int:
 
 def _cmd_resolve(args, cfg: Config) -> int:
     from txn_core import Broker
-    broker = Broker.open(cfg.warehouse)
+    broker = Broker.open(cfg)
     try:
         broker.resolve(args.transaction_id, commit=args.commit, remark=args.remark)
     finally:

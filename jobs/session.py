@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Mapping
 
 DELTA_JAR = "io.delta:delta-spark_4.2_2.13:4.4.0"
+#: Spark's s3a file system, for a warehouse on S3: the version of the Hadoop
+#: pyspark ships (its jars/hadoop-client-api-*.jar); it brings the AWS SDK
+S3A_JAR = "org.apache.hadoop:hadoop-aws:3.5.0"
 #: written by `make setup` (mvn dependency:build-classpath), one run of the pom
 JAR_LIST = Path(__file__).resolve().parent.parent / "target" / "spark-jars.txt"
 
@@ -141,3 +144,50 @@ def resolved_jars(listing: Path = JAR_LIST) -> list[str] | None:
 def _under_spark_submit() -> bool:
     """True when this Python process was launched by spark-submit (the JVM exists)."""
     return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
+def submit_packages(argv: list[str]) -> str:
+    """The `--packages` of a spark-submit of the job with arguments `argv`:
+    the Delta jar, and s3a's when the configured warehouse is on S3 (its
+    SDK is some 700 MB that every executor would otherwise fetch).
+
+    A configuration that does not load gives the Delta jar alone: the job
+    itself then reports what is wrong.
+    """
+    import argparse
+
+    from txn_core.config import ConfigError, load_config
+    from txn_core.storage import is_s3
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--conf")
+    parser.add_argument("--warehouse")
+    known, _ = parser.parse_known_args(argv)
+    try:
+        warehouse = load_config(known.conf, warehouse=known.warehouse).warehouse
+    except ConfigError:
+        return DELTA_JAR
+    return f"{DELTA_JAR},{S3A_JAR}" if is_s3(warehouse) else DELTA_JAR
+
+
+def use_warehouse(spark, config) -> str:
+    """Make `config`'s warehouse reachable from `spark` and from this
+    process's delta-rs calls; return its URI (the same for both engines).
+
+    An object store is checked first, once per process (credentials, bucket,
+    conditional writes: `txn_core.storage.Storage.check`); its `fs.s3a.*`
+    settings go into the session, from which Spark copies them into every
+    job's Hadoop configuration, and into the context's own for the driver's
+    file system calls.
+    """
+    from txn_core.config import as_config
+    from txn_core.storage import Storage, use
+
+    storage = use(Storage.from_config(as_config(config)))
+    options = storage.hadoop_options()
+    if options and spark is not None:
+        hadoop = spark.sparkContext._jsc.hadoopConfiguration()
+        for key, value in options.items():
+            spark.conf.set(key, value)
+            hadoop.set(key, value)
+    return storage.warehouse

@@ -27,6 +27,7 @@ from schemas import (CHECK_ANSWERS, CHECK_REQUESTS, DISCARD, HALF, OP, PENDING, 
                      REJECTED, RESOLVED, RUNS, TOPIC, TableSchema, table_path, topic_path)
 from schemas.arrow import arrow_schema
 from schemas.spark import spark_schema
+from txn_core.storage import options_for
 
 #: tables whose rows other parties read incrementally or with delta-rs: change data feed on
 CDF_PROPERTIES = {"delta.enableChangeDataFeed": "true"}
@@ -59,7 +60,7 @@ def is_delta(path: str) -> bool:
     """Whether a Delta table is at `path` (a look at its log with delta-rs: no
     Spark job, see `latest_version`)."""
     from deltalake import DeltaTable as RsTable
-    return RsTable.is_deltatable(path)
+    return RsTable.is_deltatable(path, storage_options=options_for(path))
 
 
 def create_table(spark: SparkSession, path: str, table: TableSchema) -> None:
@@ -99,7 +100,7 @@ def latest_version(path: str) -> int:
     from deltalake import DeltaTable as RsTable
     from deltalake.exceptions import TableNotFoundError
     try:
-        return RsTable(path).version()
+        return RsTable(path, storage_options=options_for(path)).version()
     except TableNotFoundError:
         return NO_VERSION
 
@@ -262,7 +263,7 @@ def committed_by_run(path: str, run_number: int, app: str) -> bool:
     from deltalake import DeltaTable as RsTable
     from deltalake.exceptions import TableNotFoundError
     try:
-        table = RsTable(path)
+        table = RsTable(path, storage_options=options_for(path))
     except TableNotFoundError:
         return False
     legacy = table.transaction_version(f"reconcile:{app}")
@@ -376,7 +377,8 @@ def write_run_record(warehouse: str, record: RunRecord) -> None:
     from deltalake import CommitProperties, write_deltalake
     row = pa.Table.from_pylist([record.to_row()], schema=arrow_schema(RUNS))
     tag = run_tag(record.run_number, f"{RUNS.path}:{record.status}")
-    write_deltalake(table_path(warehouse, RUNS), row, mode="append",
+    path = table_path(warehouse, RUNS)
+    write_deltalake(path, row, mode="append", storage_options=options_for(path),
                     commit_properties=CommitProperties(custom_metadata={"userMetadata": tag}))
 
 

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from pyspark.sql import functions as F
 
 from jobs import state
+from jobs.session import use_warehouse
 from schemas import HALF, PENDING, table_path
 from txn_core.config import Config, as_config
 
@@ -32,7 +33,7 @@ class StatusReport:
 
 def status(spark, config: Config | dict, now_ms: int | None = None) -> StatusReport:
     cfg = as_config(config)
-    wh = cfg.warehouse
+    wh = use_warehouse(spark, cfg)
     now = int(time.time() * 1000) if now_ms is None else now_ms
     last = state.last_run(wh)
     path = table_path(wh, PENDING)

@@ -39,6 +39,7 @@ from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from jobs import state
+from jobs.session import use_warehouse
 from jobs.local import local_frame
 from schemas import (CHECK_REQUESTS, DISCARD, HALF, OP, PENDING, QUEUES, REJECTED, RESOLVED,
                      RUNS, TOPIC, TableSchema, table_path, topic_path)
@@ -511,7 +512,7 @@ def verify(spark: SparkSession, config) -> VerifyReport:
     """Recompute every half message's fate from `_sys/half` and `_sys/op` and
     compare it with the job's outputs and state. Reads only; writes nothing."""
     config = as_config(config)
-    wh = config.warehouse
+    wh = use_warehouse(spark, config)
     notes: list[str] = []
     committed, incomplete = _committed_runs(spark, wh)
     last = committed[-1] if committed else None

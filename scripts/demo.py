@@ -9,12 +9,18 @@ An operator then overrides the discard, `verify` audits the result, and a
 consumer reads the real topics.
 
     python scripts/demo.py [--warehouse ./warehouse/demo]
+    python scripts/demo.py --s3-loopback          # the same on an S3 server on loopback
+    TXN_WAREHOUSE=s3://bucket/prefix python scripts/demo.py   # on your bucket (TXN_S3_*)
+
+A local warehouse is wiped at the start; on an object store the demo writes
+under a fresh prefix of the warehouse (`demo-<time>`).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import shutil
+import subprocess
 import sys
 import time
 
@@ -66,18 +72,49 @@ def show(label: str, s) -> None:
           f"pending {s.pending_after:>2}")
 
 
+def s3_loopback() -> tuple[subprocess.Popen, dict]:
+    """scripts/s3_loopback.py in a child process, and the settings that reach it."""
+    server = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__),
+                                                            "s3_loopback.py"),
+                               "--port", "0", "--bucket", "demo"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    port = int(server.stdout.readline().split()[1])
+    # the loopback server accepts any credentials; a real store needs yours
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "demo")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "demo")
+    return server, {"warehouse": "s3://demo/warehouse", "s3_path_style": True,
+                    "s3_endpoint": f"http://127.0.0.1:{port}", "s3_allow_http": True}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--warehouse", default="./warehouse/demo",
-                   help="demo warehouse; wiped at the start")
+    p.add_argument("--warehouse", default=None,
+                   help="demo warehouse (default: the configuration's, else ./warehouse/demo);"
+                        " wiped at the start when local")
+    p.add_argument("--s3-loopback", action="store_true",
+                   help="run against an S3 server started on loopback (scripts/s3_loopback.py)")
     p.add_argument("--conf", default=os.path.join(os.path.dirname(__file__), "..", "conf",
                                                   "reconcile.toml"))
     args = p.parse_args(argv)
-    shutil.rmtree(args.warehouse, ignore_errors=True)
-    # check_max 3 instead of 15 keeps the demo short; every other rule is the default.
-    config = load_config(args.conf, warehouse=args.warehouse, check_max=3)
+    server, overrides = s3_loopback() if args.s3_loopback else (None, {})
+    try:
+        return demo(args, overrides)
+    finally:
+        if server is not None:
+            server.kill()
 
-    print(f"1. Producer: orders and an invoice batch into {args.warehouse}")
+
+def demo(args, overrides: dict) -> int:
+    warehouse = (args.warehouse or overrides.pop("warehouse", None)
+                 or os.environ.get("TXN_WAREHOUSE") or "./warehouse/demo")
+    if "://" in warehouse:  # an object store: a fresh prefix instead of a wipe
+        warehouse = f"{warehouse.rstrip('/')}/demo-{int(time.time())}"
+    else:
+        shutil.rmtree(warehouse, ignore_errors=True)
+    # check_max 3 instead of 15 keeps the demo short; every other rule is the default.
+    config = load_config(args.conf, warehouse=warehouse, check_max=3, **overrides)
+
+    print(f"1. Producer: orders and an invoice batch into {config.warehouse}")
     clock = DemoClock()
     t0 = clock.now
     broker = Broker.open(config, clock=clock)
@@ -127,7 +164,7 @@ def main(argv=None) -> int:
 
     print("\n5. A consumer reads the real topics (delta-rs, no Spark):")
     for topic in ("ORDER", "INVOICE"):
-        for row in read_topic(config.warehouse, topic):
+        for row in read_topic(config, topic):
             print(f"  {topic:<8} queue {row['queue_id']} offset {row['queue_offset']}  "
                   f"{row['keys']:<10} {row['body'].decode()}")
     producer.close()

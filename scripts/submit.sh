@@ -6,8 +6,8 @@
 #
 # The project's code travels to the executors as dist/txn_pyfiles.zip
 # (--py-files), rebuilt on every call so a cluster never runs stale code.
-# The Delta jar is resolved by Ivy, which finds it in ~/.m2 once
-# `make setup` has run (no network needed then).
+# The Delta jar (and hadoop-aws for a warehouse on S3) is resolved by Ivy,
+# which finds it in ~/.m2 once `make setup` has run (no network needed then).
 # Environment: TXN_SPARK_MASTER (default local[2]), PYTHON (default python3),
 # PYSPARK_PYTHON (the executors' interpreter; default: the same as PYTHON,
 # right for local and loopback masters, set it for a real cluster),
@@ -18,8 +18,9 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${PYTHON:-python3}"
 spark_bin="$("$python" -c 'import os, pyspark; print(os.path.join(os.path.dirname(pyspark.__file__), "bin"))')"
-# Read the jar coordinate from jobs/session.py, so there is one place to bump it.
-delta_jar="$(cd "$repo" && "$python" -c 'from jobs.session import DELTA_JAR; print(DELTA_JAR)')"
+# The jars' coordinates come from jobs/session.py, so there is one place to bump
+# them: Delta's, and s3a's when the warehouse is on S3.
+packages="$(cd "$repo" && "$python" -c 'import sys; from jobs.session import submit_packages; print(submit_packages(sys.argv[1:]))' "$@")"
 pyfiles="$("$python" "$repo/scripts/build_pyfiles.py")"
 # The class archive `make setup` built (if any) for the driver JVM, as a local session gets it.
 driver_opts="$(cd "$repo" && "$python" -c 'from jobs.session import driver_java_options; print(driver_java_options())')"
@@ -31,7 +32,7 @@ unset SPARK_TESTING
 # shellcheck disable=SC2086  # TXN_SUBMIT_ARGS is meant to split into options
 exec "$spark_bin/spark-submit" \
   --master "${TXN_SPARK_MASTER:-local[2]}" \
-  --packages "$delta_jar" \
+  --packages "$packages" \
   --driver-java-options "$driver_opts" \
   --conf spark.sql.extensions=io.delta.sql.DeltaSparkSessionExtension \
   --conf spark.sql.catalog.spark_catalog=org.apache.spark.sql.delta.catalog.DeltaCatalog \

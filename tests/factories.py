@@ -10,6 +10,7 @@ from deltalake import write_deltalake
 
 from schemas import CHECK_ANSWERS, HALF, OP, table_path
 from schemas.arrow import arrow_schema
+from txn_core.storage import options_for
 from txn_core.tables import ensure_broker_tables
 
 _offsets = itertools.count(1)
@@ -58,8 +59,9 @@ def _append(warehouse: str, table, rows: Iterable[dict]) -> None:
     # pyarrow builds map columns from (key, value) pairs
     rows = [{k: (list(v.items()) if isinstance(v, dict) else v) for k, v in r.items()}
             for r in rows]
-    write_deltalake(table_path(warehouse, table),
-                    pa.Table.from_pylist(rows, schema=arrow_schema(table)), mode="append")
+    path = table_path(warehouse, table)
+    write_deltalake(path, pa.Table.from_pylist(rows, schema=arrow_schema(table)),
+                    mode="append", storage_options=options_for(path))
 
 
 def write_halves(warehouse: str, *rows: dict) -> None:

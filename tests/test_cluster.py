@@ -253,12 +253,22 @@ def _write_warehouse(warehouse: str) -> dict:
 
 
 @pytest.mark.slow
-def test_reconcile_on_standalone_cluster(tmp_path):
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_reconcile_on_standalone_cluster(tmp_path, store, request):
     from deltalake import DeltaTable
 
     from schemas import topic_path
+    from txn_core import load_config
+    from txn_core.storage import Storage, options_for, use
 
-    warehouse = str(tmp_path / "warehouse")
+    store_flags: list[str] = []
+    if store == "s3":  # the executors reach the bucket with the driver's settings
+        settings = request.getfixturevalue("s3").config()
+        warehouse = use(Storage.from_config(load_config(env={}, **settings))).warehouse
+        store_flags = ["--s3-endpoint", settings["s3_endpoint"], "--s3-path-style", "true",
+                       "--s3-allow-http", "true"]
+    else:
+        warehouse = str(tmp_path / "warehouse")
     expected = _write_warehouse(warehouse)
     cluster_root = tmp_path / "cluster"
     cluster_root.mkdir()
@@ -271,7 +281,7 @@ def test_reconcile_on_standalone_cluster(tmp_path):
         now_ms = expected["store_ms"] + 1_000  # inside immunity: the pending one is not checked
         done = _run_in_own_group(
             [str(REPO / "scripts" / "submit.sh"), "run", "--warehouse", warehouse,
-             "--now-ms", str(now_ms)], cwd=tmp_path, env=env)
+             *store_flags, "--now-ms", str(now_ms)], cwd=tmp_path, env=env)
         assert done.returncode == 0, f"{done.stderr[-4000:]}\n{cluster.logs()}"
         summary_lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         assert len(summary_lines) == 1, done.stdout
@@ -281,7 +291,9 @@ def test_reconcile_on_standalone_cluster(tmp_path):
         assert summary["pending_after"] == 1
         assert summary["delivered_by_topic"] == {"ORDER": 3}
 
-        delivered = DeltaTable(topic_path(warehouse, "ORDER")).to_pyarrow_table().to_pylist()
+        topic = topic_path(warehouse, "ORDER")
+        delivered = DeltaTable(topic, storage_options=options_for(topic)).to_pyarrow_table() \
+            .to_pylist()
         assert sorted(r["transaction_id"] for r in delivered) == ["tx-100", "tx-101", "tx-103"]
         for row in delivered:
             i = row["half_offset"] - 100

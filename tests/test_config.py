@@ -19,11 +19,15 @@ def test_defaults_match_spec():
         os.path.abspath("./warehouse"), 6000, 15, 30000, 72, 0, "answered")
 
 
-def test_a_relative_warehouse_becomes_absolute_and_a_uri_stays_as_is(tmp_path, monkeypatch):
+def test_a_relative_warehouse_becomes_absolute_and_an_s3_uri_one_for_both_engines(
+        tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert load_config(env={}, warehouse="./wh/demo").warehouse == str(tmp_path / "wh" / "demo")
-    assert load_config(env={}, warehouse="s3://bucket/wh").warehouse == "s3://bucket/wh"
+    assert load_config(env={}, warehouse="s3://bucket/wh").warehouse == "s3a://bucket/wh"
+    assert load_config(env={}, warehouse="s3a://bucket/wh/").warehouse == "s3a://bucket/wh"
     assert load_config(env={}, warehouse="file:///data/wh").warehouse == "file:///data/wh"
+    assert load_config(env={}, warehouse="abfss://c@acct.dfs.core.windows.net/wh").warehouse \
+        == "abfss://c@acct.dfs.core.windows.net/wh"
 
 
 def test_precedence_flag_over_env_over_file(tmp_path):

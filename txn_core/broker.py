@@ -12,6 +12,7 @@ import os
 import threading
 import time
 import uuid
+from dataclasses import replace
 from typing import Callable, Mapping, Sequence
 
 import pyarrow.compute as pc
@@ -19,12 +20,13 @@ from deltalake import DeltaTable
 
 from schemas import HALF, OP, table_path
 from schemas.arrow import arrow_schema
-from txn_core.config import Config
+from txn_core.config import Config, absolute_warehouse
 from txn_core.errors import BrokerClosedError, PersistError
 from txn_core.group_commit import DirectWriter, GroupCommitWriter, WriterStats
 from txn_core.log_trim import job_cursor
 from txn_core.message import Message, validate_group
 from txn_core.offsets import OffsetAllocator, register_epoch
+from txn_core.storage import Storage, options_for, storage_for, use
 from txn_core.tables import ensure_broker_tables
 
 log = logging.getLogger(__name__)
@@ -85,14 +87,26 @@ class Broker:
              group_commit: bool = True) -> "Broker":
         """Open the warehouse, creating missing producer tables.
 
-        `warehouse` may be a path/URI or a Config (its `warehouse` is used).
-        `clock` returns epoch milliseconds (tests inject one); `storage_options`
-        go to delta-rs for object stores. `group_commit=False` makes every
-        append its own commit (the naive design; benchmarks only).
+        `warehouse` may be a path/URI or a Config (its `warehouse` and `s3_*`
+        settings are used). `clock` returns epoch milliseconds (tests inject
+        one); `storage_options`, when given, go to delta-rs as they are instead
+        of those the settings make. `group_commit=False` makes every append
+        its own commit (the naive design; benchmarks only).
+
+        Before anything is written, an object store is checked once per
+        process (`txn_core.storage`): StorageError names what is wrong.
         """
         if isinstance(warehouse, Config):
             config, warehouse = warehouse, warehouse.warehouse
-        config = config or Config(warehouse=warehouse)
+        if config is None:
+            config = Config(warehouse=warehouse)
+            storage = storage_for(config.warehouse)
+        else:
+            storage = replace(Storage.from_config(config), warehouse=absolute_warehouse(warehouse))
+        warehouse = storage.warehouse
+        if storage_options is None:
+            use(storage)
+        storage_options = options_for(warehouse, storage_options)
         tables = ensure_broker_tables(warehouse, storage_options=storage_options)
         return cls(warehouse, tables, config, clock or wall_clock_ms, storage_options,
                    group_commit)
@@ -182,7 +196,8 @@ class Broker:
     def find_half(self, transaction_id: str) -> dict:
         """The half row of `transaction_id` (a full scan: for operators, not hot paths)."""
         # Its own handle: the writer's belongs to the writer thread.
-        table = DeltaTable(table_path(self.warehouse, HALF), storage_options=self.storage_options)
+        table = DeltaTable(table_path(self.warehouse, HALF),
+                           storage_options=options_for(self.warehouse, self.storage_options))
         rows = table.to_pyarrow_dataset().to_table(
             columns=["half_offset", "producer_group", "topic"],
             filter=pc.field("transaction_id") == transaction_id).to_pylist()
@@ -215,6 +230,14 @@ class Broker:
     def commit_counts(self) -> dict[str, int]:
         """Delta commits made by the group-commit writers (for benchmarks)."""
         return {HALF.path: self._half.commits, OP.path: self._op.commits}
+
+    @property
+    def committers(self) -> dict[str, str]:
+        """Per producer table, how its commits are made: "local append" on a
+        local disk, "delta-rs" on an object store (`GroupCommitWriter.committer`)."""
+        if not isinstance(self._half, GroupCommitWriter):
+            return {HALF.path: "delta-rs", OP.path: "delta-rs"}
+        return {HALF.path: self._half.committer, OP.path: self._op.committer}
 
     @property
     def writer_stats(self) -> dict[str, WriterStats]:

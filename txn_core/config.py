@@ -19,14 +19,37 @@ class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type or out of range."""
 
 
-def absolute_warehouse(warehouse: str) -> str:
-    """A local warehouse as an absolute path; a URI (s3://, file://, …) as is.
+#: URI schemes a warehouse may have: S3 (both spellings are one store), and
+#: the stores both engines reach with the user's own settings (ADLS, GCS)
+S3_SCHEMES = ("s3", "s3a")
+OTHER_SCHEMES = ("file", "abfss", "abfs", "gs")
 
-    Spark's Delta table builder reads a relative location such as
-    `./warehouse/_sys/runs` as a table name and refuses it, and a relative
-    path would mean another place for every process started elsewhere.
+
+def absolute_warehouse(warehouse: str) -> str:
+    """The warehouse in the one form both engines are given.
+
+    A local path becomes absolute: Spark's Delta table builder reads a relative
+    location such as `./warehouse/_sys/runs` as a table name, and a relative
+    path would mean another place for every process started elsewhere. An S3
+    URI becomes `s3a://bucket/prefix`, which delta-rs and Spark's s3a
+    connector both read. Any other scheme is refused.
+
+    >>> absolute_warehouse("s3://bucket/wh/")
+    's3a://bucket/wh'
     """
-    return warehouse if "://" in warehouse else os.path.abspath(warehouse)
+    if "://" not in warehouse:
+        return os.path.abspath(warehouse)
+    scheme, rest = warehouse.split("://", 1)
+    if scheme.lower() in S3_SCHEMES:
+        bucket = rest.split("/", 1)[0]
+        if not bucket:
+            raise ConfigError(f"warehouse {warehouse!r} names no bucket; expected "
+                              "s3://bucket/prefix")
+        return "s3a://" + rest.rstrip("/")
+    if scheme.lower() not in OTHER_SCHEMES:
+        raise ConfigError(f"warehouse {warehouse!r} has an unsupported scheme {scheme!r}; "
+                          "accepted: a local path, file://, s3://, s3a://, abfss://, gs://")
+    return warehouse.rstrip("/")
 
 
 @dataclass(frozen=True)
@@ -49,11 +72,22 @@ class Config:
     max_body_bytes: int = 4 * 1024 * 1024
     #: how long a job run's lease lasts without renewal (crashed runs free it after this)
     lease_ttl_s: int = 600
+    #: an S3 warehouse's endpoint ("" = AWS's own), e.g. "http://127.0.0.1:9000" for MinIO
+    s3_endpoint: str = ""
+    #: an S3 warehouse's region ("" = AWS_REGION / AWS_DEFAULT_REGION, else us-east-1)
+    s3_region: str = ""
+    #: address buckets as endpoint/bucket/key instead of bucket.endpoint/key
+    s3_path_style: bool = False
+    #: allow a plain-HTTP endpoint (a store on loopback); refused otherwise
+    s3_allow_http: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
             _check(f.name, getattr(self, f.name), "value")
         object.__setattr__(self, "warehouse", absolute_warehouse(self.warehouse))
+        if self.s3_endpoint.startswith("http://") and not self.s3_allow_http:
+            raise ConfigError(f"s3_endpoint {self.s3_endpoint!r} is plain HTTP; set "
+                              "s3_allow_http = true to allow it (a store on loopback)")
 
     def __getitem__(self, key: str) -> Any:  # dict-style access for notebooks
         if key not in _SPECS:
@@ -88,13 +122,21 @@ _SPECS: dict[str, tuple[type, Any, str]] = {
     "max_body_bytes": (int, lambda v: 1 <= v <= 256 * 1024 * 1024,
                        "an integer from 1 to 268435456 (bytes)"),
     "lease_ttl_s": (int, lambda v: 1 <= v <= 7 * 24 * 3600, "an integer from 1 to 604800 (s)"),
+    "s3_endpoint": (str, lambda v: v == "" or v.startswith(("http://", "https://")),
+                    "\"\" (AWS) or an http:// or https:// URL"),
+    "s3_region": (str, lambda v: v == "" or v.replace("-", "").isalnum(),
+                  "\"\" (from the environment) or a region name such as eu-west-1"),
+    "s3_path_style": (bool, lambda v: True, "true or false"),
+    "s3_allow_http": (bool, lambda v: True, "true or false"),
 }
+
+_BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 def _check(key: str, value: Any, origin: str) -> None:
     kind, ok, accepted = _SPECS[key]
     # bool is an int in Python; `check_max = true` is still a mistake.
-    if not isinstance(value, kind) or isinstance(value, bool):
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
         raise ConfigError(f"{key} from {origin} must be {accepted}; got "
                           f"{type(value).__name__} {value!r}")
     if not ok(value):
@@ -109,7 +151,12 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         if name not in env:
             continue
         raw = env[name]
-        if kind is int:
+        if kind is bool:
+            if raw.strip().lower() not in _BOOLEANS:
+                raise ConfigError(f"{key} from environment variable {name} must be "
+                                  f"{accepted}; got {raw!r}")
+            values[key] = _BOOLEANS[raw.strip().lower()]
+        elif kind is int:
             try:
                 values[key] = int(raw.strip())
             except ValueError:

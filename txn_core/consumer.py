@@ -16,20 +16,27 @@ from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
 from schemas import topic_path
+from txn_core.config import Config
 from txn_core.message import validate_topic
+from txn_core.storage import Storage, options_for, use
 from txn_core.tables import MissingTableError
 
 
-def read_topic(warehouse: str, topic: str, *, queue_id: int | None = None,
+def read_topic(warehouse: str | Config, topic: str, *, queue_id: int | None = None,
                from_queue_offset: int = 0, limit: int | None = None,
                storage_options: dict[str, str] | None = None) -> list[dict]:
     """Delivered messages of `topic`, in (queue_id, queue_offset) order.
 
-    Raises MissingTableError when nothing was ever delivered to the topic.
+    `warehouse` is a path or URI, or a Config (an S3 warehouse's endpoint
+    settings come with it). Raises MissingTableError when nothing was ever
+    delivered to the topic.
     """
     validate_topic(topic)
+    if isinstance(warehouse, Config):
+        warehouse = use(Storage.from_config(warehouse), check=False).warehouse
+    uri = topic_path(warehouse, topic)
     try:
-        table = DeltaTable(topic_path(warehouse, topic), storage_options=storage_options)
+        table = DeltaTable(uri, storage_options=options_for(uri, storage_options))
     except TableNotFoundError:
         raise MissingTableError(f"topic {topic!r} has no table under {warehouse} yet "
                                 "(nothing delivered to it)") from None

@@ -154,6 +154,12 @@ class GroupCommitWriter:
             self._queue.put((columns, ticket))
         return ticket
 
+    @property
+    def committer(self) -> str:
+        """How commits are made now: "local append" (the blind-append fast
+        path, local disks only) or "delta-rs" (everywhere else)."""
+        return "local append" if self._appender is not None else "delta-rs"
+
     def stats(self) -> WriterStats:
         s = dict(self._seconds)
         return WriterStats(commits=self.commits, rows=self._rows, commit_s=s["commit"],
@@ -216,6 +222,7 @@ class GroupCommitWriter:
             if built is not None:
                 self._seconds["commit"] += time.perf_counter() - built
             log.warning("group commit to %s failed: %s", self._name, exc)
+            self._refresh_after_failure()
             error = PersistError(f"could not append {sum(len(c[next(iter(c))]) for c, _ in batch)}"
                                  f" row(s) to {self._name}: {exc}")
             error.__cause__ = exc
@@ -227,6 +234,15 @@ class GroupCommitWriter:
         self.upkeep.committed(version, small_file=table.nbytes < SMALL_FILE_BYTES,
                               checkpoint_due=self._appender is not None
                               and self._appender.checkpoint_due(version))
+
+    def _refresh_after_failure(self) -> None:
+        """Load the table's newest version, so that the next commit does not
+        start from the state that failed (a conflict delta-rs could not rebase)."""
+        try:
+            self._table.update_incremental()
+        except Exception as exc:  # noqa: BLE001 - the next commit reports the store's state
+            log.warning("%s: could not reload the table after a failed commit: %s",
+                        self._name, exc)
 
     def _append_rows(self, rows: pa.Table) -> int:
         """Commit `rows`; returns the table version that holds them."""

@@ -12,11 +12,12 @@ import time
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import DeltaTable
+from deltalake import CommitProperties, DeltaTable
 from deltalake.exceptions import DeltaError, TableNotFoundError
 
 from schemas import CHECK_ANSWERS, HALF, LEASE, OP, PRODUCERS, RUNS, TableSchema, table_path
 from schemas.arrow import arrow_schema
+from txn_core.storage import options_for
 
 BROKER_TABLES = (HALF, OP, CHECK_ANSWERS, PRODUCERS)
 
@@ -33,6 +34,9 @@ PRODUCER_TABLE_CONFIG = {
 }
 
 
+_CREATE_ONCE = CommitProperties(max_commit_retries=0)
+
+
 class MissingTableError(RuntimeError):
     """A table the caller needs does not exist (and may not be created here)."""
 
@@ -43,9 +47,12 @@ def open_or_create(warehouse: str, table: TableSchema,
     """Open `table` under `warehouse`, creating it when missing.
 
     Several processes may race to create the same table; the loser of the
-    version-0 commit simply opens what the winner made.
+    version-0 commit simply opens what the winner made. (With retries, delta-rs
+    would commit the loser's CREATE TABLE again as version 1: a second table
+    id and schema that every concurrent writer then conflicts with.)
     """
     uri = table_path(warehouse, table)
+    storage_options = options_for(uri, storage_options)
     for attempt in range(5):
         try:
             return DeltaTable(uri, storage_options=storage_options)
@@ -54,7 +61,8 @@ def open_or_create(warehouse: str, table: TableSchema,
         try:
             return DeltaTable.create(uri, arrow_schema(table), mode="error",
                                      configuration=configuration or PRODUCER_TABLE_CONFIG,
-                                     storage_options=storage_options)
+                                     storage_options=storage_options,
+                                     commit_properties=_CREATE_ONCE)
         except (DeltaError, OSError, Exception) as exc:  # lost the race to create it
             last = exc
             time.sleep(0.01 * (attempt + 1))
@@ -64,8 +72,9 @@ def open_or_create(warehouse: str, table: TableSchema,
 def open_existing(warehouse: str, table: TableSchema,
                   storage_options: dict[str, str] | None = None) -> DeltaTable | None:
     """Open `table` if it exists, else None (e.g. check requests before the job ran)."""
+    uri = table_path(warehouse, table)
     try:
-        return DeltaTable(table_path(warehouse, table), storage_options=storage_options)
+        return DeltaTable(uri, storage_options=options_for(uri, storage_options))
     except TableNotFoundError:
         return None
 
@@ -93,7 +102,8 @@ def latest_run_rows(warehouse: str, columns: list[str] | None = None,
     by a row or two every run.
     """
     try:
-        table = DeltaTable(table_path(warehouse, RUNS), storage_options=storage_options)
+        uri = table_path(warehouse, RUNS)
+        table = DeltaTable(uri, storage_options=options_for(uri, storage_options))
     except TableNotFoundError:
         return []
     files = pa.table(table.get_add_actions(flatten=True))

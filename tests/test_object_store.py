@@ -1,0 +1,291 @@
+"""The warehouse on an S3-compatible server (moto's, on loopback, started by
+`conftest.s3`): one URI for both engines, concurrent producer processes, the
+job's whole cycle, a killed run, and every bad store named before a write."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from deltalake import DeltaTable
+
+from conftest import REPO, S3_BUCKET, S3_KEY_ID, S3_SECRET, S3Server
+from jobs.faults import FAULT_EXIT_CODE
+from jobs.reconcile import main, reconcile
+from jobs.status import status
+from jobs.verify import verify
+from schemas import HALF, OP, RUNS, table_path, topic_path
+from txn_core import (Broker, ConfigError, LocalTransactionState, Message, TransactionListener,
+                      TransactionProducer, load_config)
+from txn_core.consumer import read_topic
+from txn_core.maintenance import maintain
+from txn_core.storage import Storage, StorageError, options_for, use
+
+S = LocalTransactionState
+T = 1_800_000_000_000
+
+
+def _rows(uri: str) -> list[dict]:
+    return DeltaTable(uri, storage_options=options_for(uri)).to_pyarrow_table().to_pylist()
+
+
+def _no_secrets(*texts: str) -> None:
+    for text in texts:
+        assert S3_SECRET not in text and S3_KEY_ID not in text
+
+
+# --- configuration: no server needed ------------------------------------------------
+
+def test_one_warehouse_uri_is_mapped_for_each_engine():
+    cfg = load_config(env={}, warehouse="s3://bucket/wh/", s3_endpoint="http://127.0.0.1:9000",
+                      s3_path_style=True, s3_allow_http=True, s3_region="eu-west-1")
+    assert cfg.warehouse == "s3a://bucket/wh"  # what delta-rs and Spark's s3a both read
+    storage = Storage.from_config(cfg)
+    assert storage.delta_rs_options() == {
+        "AWS_REGION": "eu-west-1", "AWS_CONDITIONAL_PUT": "etag",
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+        "AWS_VIRTUAL_HOSTED_STYLE_REQUEST": "false", "AWS_ALLOW_HTTP": "true"}
+    assert storage.hadoop_options() == {
+        "fs.s3a.bucket.bucket.endpoint.region": "eu-west-1",
+        "fs.s3a.bucket.bucket.path.style.access": "true",
+        "fs.s3a.bucket.bucket.aws.credentials.provider":
+            "software.amazon.awssdk.auth.credentials.DefaultCredentialsProvider",
+        "fs.s3a.bucket.bucket.endpoint": "http://127.0.0.1:9000",
+        "fs.s3a.bucket.bucket.connection.ssl.enabled": "false"}
+    # virtual-hosted requests to a custom endpoint go to bucket.host
+    hosted = Storage(warehouse="s3a://bucket/wh", endpoint="https://store.example:9000")
+    assert hosted.delta_rs_options()["AWS_ENDPOINT_URL"] == "https://bucket.store.example:9000"
+    assert Storage(warehouse="/tmp/wh").delta_rs_options() is None
+    assert Storage(warehouse="/tmp/wh").hadoop_options() == {}
+
+
+def test_store_settings_follow_the_precedence_of_every_key(tmp_path):
+    conf = tmp_path / "c.toml"
+    conf.write_text('warehouse = "s3a://b/wh"\ns3_endpoint = "https://file:1"\n'
+                    's3_path_style = true\n')
+    env = {"TXN_S3_ENDPOINT": "https://env:2", "TXN_S3_PATH_STYLE": "false"}
+    cfg = load_config(conf, env=env, s3_endpoint="https://flag:3")
+    assert (cfg.s3_endpoint, cfg.s3_path_style) == ("https://flag:3", False)
+    assert load_config(conf, env={}).s3_path_style is True
+
+
+@pytest.mark.parametrize("overrides, named", [
+    ({"warehouse": "http://host/wh"}, "unsupported scheme 'http'"),
+    ({"warehouse": "s3:///wh"}, "names no bucket"),
+    ({"warehouse": "s3://b/wh", "s3_endpoint": "http://127.0.0.1:9000"}, "s3_allow_http"),
+    ({"s3_endpoint": "127.0.0.1:9000"}, "s3_endpoint"),
+    ({"s3_path_style": "yes"}, "s3_path_style"),
+])
+def test_bad_store_settings_are_refused_naming_the_key(overrides, named):
+    with pytest.raises(ConfigError, match=named):
+        load_config(env={}, **overrides)
+
+
+def test_a_bad_boolean_in_the_environment_names_the_variable():
+    with pytest.raises(ConfigError, match="TXN_S3_ALLOW_HTTP"):
+        load_config(env={"TXN_S3_ALLOW_HTTP": "maybe"})
+
+
+# --- a store that cannot be used: named before anything is written -------------------
+
+def test_every_unusable_store_is_named_before_a_write(s3, monkeypatch):
+    def refused(cfg: dict, named: str) -> None:
+        with pytest.raises(StorageError, match=named) as caught:
+            Broker.open(load_config(env={}, **cfg))
+        _no_secrets(str(caught.value))
+
+    refused({**s3.config(), "warehouse": "s3://no-such-bucket/wh"},
+            "bucket 'no-such-bucket' does not exist")
+    refused({**s3.config(), "s3_endpoint": "http://127.0.0.1:9"}, "cannot reach the store")
+    lax = S3Server("--no-conditional-writes")
+    try:
+        settings = lax.config()
+        refused(settings, "does not enforce conditional writes")
+        half = table_path(load_config(env={}, **settings).warehouse, HALF)
+        assert not DeltaTable.is_deltatable(half, storage_options=options_for(half))
+    finally:
+        lax.stop()
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("HOME", "/nonexistent")  # no ~/.aws/credentials either
+    refused(s3.config(), "no AWS credentials")
+
+
+def test_the_cli_exits_2_for_a_missing_bucket_before_starting_spark(s3):
+    cfg = s3.config()
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.reconcile", "run", "--warehouse", "s3://no-such-bucket/wh",
+         "--s3-endpoint", cfg["s3_endpoint"], "--s3-path-style", "true",
+         "--s3-allow-http", "true"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "bucket 'no-such-bucket' does not exist" in done.stderr
+    assert done.stdout == ""
+    _no_secrets(done.stderr)
+
+
+# --- producers --------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_four_producer_processes_on_one_bucket_lose_nothing(s3):
+    cfg = s3.config()
+    per_thread = 15
+    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "s3_producer.py"),
+                               json.dumps(cfg), str(per_thread)],
+                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    reports = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        _no_secrets(out, err)
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+        # every half and OP durable: the four raced to create the tables, too
+        assert reports[-1]["failures"] == [], reports[-1]["failures"][:3]
+    # on an object store the commits go through delta-rs, not the local blind append
+    assert all(r["committers"] == {"_sys/half": "delta-rs", "_sys/op": "delta-rs"}
+               for r in reports)
+    sent = {tx: off for r in reports for tx, off in r["sent"]}
+    assert len(sent) == 4 * (4 * per_thread + 20)
+
+    wh = use(Storage.from_config(load_config(env={}, **cfg)), check=False).warehouse
+    halves = _rows(table_path(wh, HALF))
+    ops = _rows(table_path(wh, OP))
+    # I1: unique offsets across processes; nothing lost, nothing written twice
+    assert len({h["half_offset"] for h in halves}) == len(halves) == len(sent)
+    assert {h["transaction_id"]: h["half_offset"] for h in halves} == sent
+    assert len({o["op_offset"] for o in ops}) == len(ops) == len(sent)
+    assert {o["transaction_id"] for o in ops} == set(sent)
+
+
+# --- the job ----------------------------------------------------------------------------
+
+class Listener(TransactionListener):
+    """Local outcome and check answer chosen by the message's keys."""
+
+    def execute_local_transaction(self, msg, arg):
+        if isinstance(msg, (list, tuple)) or not hasattr(msg, "keys"):
+            return S.COMMIT_MESSAGE  # the batch
+        return {"commit": S.COMMIT_MESSAGE, "rollback": S.ROLLBACK_MESSAGE}.get(msg.keys,
+                                                                                 S.UNKNOWN)
+
+    def check_local_transaction(self, msg):
+        return S.COMMIT_MESSAGE if msg.keys == "checked" else S.UNKNOWN
+
+
+@pytest.mark.slow
+def test_the_whole_cycle_on_s3_checks_discards_resolves_and_verifies(spark, s3):
+    settings = {**s3.config(), "check_max": 2, "transaction_timeout_ms": 1_000,
+                "check_interval_ms": 1_000}
+    cfg = load_config(env={}, **settings)
+    clock = [T]
+    broker = Broker.open(cfg, clock=lambda: clock[0])
+    producer = TransactionProducer(broker, group="order_group", listener=Listener())
+    sent = {k: producer.send_message_in_transaction(
+        Message(topic="ORDER", body=f"body-{k}".encode(), keys=k, properties={"p": k}))
+        for k in ("commit", "rollback", "checked", "never")}
+    producer.send_batch_in_transaction(
+        [Message(topic="PAY", body=bytes([i, 0, 255]), keys=f"pay-{i}") for i in range(3)])
+
+    first = reconcile(spark, cfg, now_ms=T + 2_000)
+    assert (first.committed, first.rolled_back, first.check_requests) == (4, 1, 2)
+    assert first.delivered_by_topic == {"ORDER": 1, "PAY": 3}
+    _no_secrets(first.to_json())
+
+    assert producer.answer_checks() == 2  # "checked" commits, "never" stays unknown
+    second = reconcile(spark, cfg, now_ms=T + 4_000)
+    assert (second.committed, second.check_requests) == (1, 1)
+    assert producer.answer_checks() == 1
+    third = reconcile(spark, cfg, now_ms=T + 6_000)
+    assert third.discarded_max_checks == 1 and third.pending_after == 0
+
+    # an operator overrides the discard (CLI: an ADMIN OP through the broker core)
+    flags = ["--warehouse", settings["warehouse"], "--s3-endpoint", settings["s3_endpoint"],
+             "--s3-path-style", "true", "--s3-allow-http", "true"]
+    assert main(["resolve", *flags, "--transaction-id", sent["never"].transaction_id,
+                 "--commit", "--remark", "ops ticket 42"]) == 0
+    fourth = reconcile(spark, cfg, now_ms=T + 7_000)
+    assert fourth.committed == 1
+
+    report = verify(spark, cfg)
+    assert report.ok, report.to_dict()
+    assert status(spark, cfg, now_ms=T + 7_000).pending == 0
+
+    order = read_topic(cfg, "ORDER")
+    assert [(r["queue_offset"], r["keys"], r["body"]) for r in order] == [
+        (0, "commit", b"body-commit"), (1, "checked", b"body-checked"),
+        (2, "never", b"body-never")]
+    assert sorted(r["body"] for r in read_topic(cfg, "PAY")) == [bytes([i, 0, 255])
+                                                                 for i in range(3)]
+    runs = _rows(table_path(cfg.warehouse, RUNS))
+    _no_secrets(repr(runs), json.dumps(report.to_dict(), default=str))
+
+    done = maintain(broker, now_ms=T + 7_000)
+    assert done is not None
+    producer.close()
+    broker.close()
+
+
+def _outputs(warehouse: str) -> dict[str, list]:
+    """The job's output tables (wall-clock columns removed), order-independent."""
+    wall_clock = {"started_ms", "ended_ms", "summary_json", "duration_ms"}
+    tables = {}
+    for name in ("topics/ORDER", "_sys/pending", "_sys/queues", "_sys/resolved",
+                 "_sys/check_requests", "_sys/discard", "_sys/rejected", "_sys/runs"):
+        path = f"{warehouse}/{name}"
+        if not DeltaTable.is_deltatable(path, storage_options=options_for(path)):
+            continue
+        tables[name] = sorted(repr(sorted((k, sorted(v) if isinstance(v, list) else v)
+                                          for k, v in r.items() if k not in wall_clock))
+                              for r in _rows(path))
+    return tables
+
+
+def _seed(settings: dict) -> None:
+    """Producer rows written directly: a commit, a rollback, one left to check."""
+    import factories as fx
+    cfg = load_config(env={}, **settings)
+    wh = use(Storage.from_config(cfg)).warehouse
+    delivered = fx.half(1, store_ms=T - 100_000)
+    checked = fx.half(2, store_ms=T - 100_000)
+    rolled = fx.half(3, store_ms=T - 100_000)
+    fx.write_halves(wh, delivered, checked, rolled)
+    fx.write_ops(wh, fx.op(delivered, op_offset=11), fx.op(rolled, "ROLLBACK", op_offset=13))
+
+
+@pytest.mark.slow
+def test_a_killed_run_on_s3_is_redone_exactly_once(spark, s3):
+    clean, killed = s3.config(), s3.config()
+    _seed(clean)
+    _seed(killed)
+    expected = reconcile(spark, load_config(env={}, **clean), now_ms=T)
+
+    def cli(extra_env: dict) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "jobs.reconcile", "run", "--warehouse", killed["warehouse"],
+             "--s3-endpoint", killed["s3_endpoint"], "--s3-path-style", "true",
+             "--s3-allow-http", "true", "--now-ms", str(T)],
+            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **extra_env},
+            capture_output=True, text=True, timeout=600)
+
+    # SIGKILL after the topic's commit, before the rest: no finally, no lease release
+    dead = cli({"TXN_FAULT_AT": "after:topics/ORDER", "TXN_FAULT_MODE": "kill"})
+    assert dead.returncode in (-9, FAULT_EXIT_CODE), dead.stderr[-3000:]
+    assert dead.stdout == ""
+    rerun = cli({})
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    _no_secrets(dead.stderr, rerun.stdout, rerun.stderr)
+    summary = json.loads(rerun.stdout.strip().splitlines()[-1])
+    assert summary["redone_run_id"] == expected.run_id
+
+    wh_clean = load_config(env={}, **clean).warehouse
+    wh_killed = load_config(env={}, **killed).warehouse
+    got, want = _outputs(wh_killed), _outputs(wh_clean)
+    # the rerun's own (second, idle) run is not in the clean warehouse
+    got["_sys/runs"] = [r for r in got["_sys/runs"] if "('run_number', 2)" not in r]
+    assert got == want
+    assert len(_rows(topic_path(wh_killed, "ORDER"))) == 1

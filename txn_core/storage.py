@@ -1,0 +1,277 @@
+"""Where a warehouse lives, and how each engine reaches it.
+
+A warehouse is a local directory (the default) or a prefix of an S3 bucket
+(AWS S3, MinIO, any store that speaks S3 and enforces conditional writes).
+The user names it once (`warehouse = "s3://bucket/prefix"`, see
+`txn_core.config`); both engines are given the same `s3a://` URIs, and this
+module turns the `s3_*` settings into each engine's own options: delta-rs'
+storage options for the broker core, and Hadoop's `fs.s3a.*` settings for
+the job's Spark (per bucket, so a session's other buckets keep theirs).
+Credentials are never part of either: both engines take them from the
+standard AWS chain (environment, profile, web identity, container).
+
+Producers on many hosts append to one table at once, safely only because
+the store refuses a second write of the same log entry (put-if-absent,
+`If-None-Match: *`), which delta-rs relies on. A store that ignores it would
+silently lose commits, so `Storage.check` proves it once per process and
+warehouse before anything is written, and raises `StorageError` (a
+`ConfigError`: exit 2 from the CLI) for a store that does not, a missing
+bucket, an endpoint that does not answer or missing credentials.
+
+>>> s = Storage(warehouse="s3a://bucket/wh", endpoint="http://127.0.0.1:9000",
+...             region="us-east-1", path_style=True, allow_http=True)
+>>> s.delta_rs_options()["AWS_ENDPOINT_URL"], s.hadoop_options()["fs.s3a.bucket.bucket.path.style.access"]
+('http://127.0.0.1:9000', 'true')
+"""
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from txn_core.config import S3_SCHEMES, Config, ConfigError
+
+#: where `check` writes (and deletes) its probe object under the warehouse
+PROBE_PREFIX = "_sys/write_probe"
+#: the environment variables through which the AWS chain finds credentials
+#: without asking the network (an EC2 instance role: a profile whose
+#: `credential_source` is `Ec2InstanceMetadata`)
+CREDENTIAL_SOURCES = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                      "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                      "AWS_CONTAINER_CREDENTIALS_FULL_URI")
+_DEFAULT_REGION = "us-east-1"
+
+
+class StorageError(ConfigError):
+    """The warehouse's store cannot be used as configured; nothing was written."""
+
+
+@dataclass(frozen=True)
+class Storage:
+    """A warehouse and the settings that reach its store.
+
+    `Storage.from_config(config)`; `delta_rs_options()` for delta-rs,
+    `hadoop_options()` for Spark; `check()` before the first write.
+    """
+
+    warehouse: str
+    endpoint: str = ""
+    region: str = ""
+    path_style: bool = False
+    allow_http: bool = False
+
+    @classmethod
+    def from_config(cls, config: Config) -> "Storage":
+        return cls(warehouse=config.warehouse, endpoint=config.s3_endpoint,
+                   region=config.s3_region, path_style=config.s3_path_style,
+                   allow_http=config.s3_allow_http)
+
+    @property
+    def is_s3(self) -> bool:
+        return is_s3(self.warehouse)
+
+    @property
+    def bucket(self) -> str:
+        return self.warehouse.split("://", 1)[1].split("/", 1)[0] if self.is_s3 else ""
+
+    @property
+    def resolved_region(self) -> str:
+        return (self.region or os.environ.get("AWS_REGION")
+                or os.environ.get("AWS_DEFAULT_REGION") or _DEFAULT_REGION)
+
+    def describe(self) -> str:
+        """Where the warehouse is, for messages (never a credential)."""
+        if not self.is_s3:
+            return self.warehouse
+        return f"{self.warehouse} (endpoint {self.endpoint or 'AWS S3'}, region " \
+               f"{self.resolved_region})"
+
+    def delta_rs_options(self) -> dict[str, str] | None:
+        """delta-rs storage options; None for a local or non-S3 warehouse,
+        which delta-rs reaches with its defaults and the environment."""
+        if not self.is_s3:
+            return None
+        options = {"AWS_REGION": self.resolved_region,
+                   # delta-rs' default on S3; said here so that a change of
+                   # default could never make commits unsafe
+                   "AWS_CONDITIONAL_PUT": "etag"}
+        if self.endpoint:
+            options["AWS_ENDPOINT_URL"] = (self.endpoint if self.path_style
+                                           else _with_bucket_host(self.endpoint, self.bucket))
+        options["AWS_VIRTUAL_HOSTED_STYLE_REQUEST"] = "false" if self.path_style else "true"
+        if self.allow_http:
+            options["AWS_ALLOW_HTTP"] = "true"
+        return options
+
+    def hadoop_options(self) -> dict[str, str]:
+        """Hadoop `fs.s3a.*` settings for this warehouse's bucket; {} when
+        the warehouse is not on S3."""
+        if not self.is_s3:
+            return {}
+        prefix = f"fs.s3a.bucket.{self.bucket}."
+        options = {
+            prefix + "endpoint.region": self.resolved_region,
+            prefix + "path.style.access": str(self.path_style).lower(),
+            # the same chain delta-rs uses: environment, profile, web identity, container
+            prefix + "aws.credentials.provider":
+                "software.amazon.awssdk.auth.credentials.DefaultCredentialsProvider",
+        }
+        if self.endpoint:
+            options[prefix + "endpoint"] = self.endpoint
+            options[prefix + "connection.ssl.enabled"] = str(
+                self.endpoint.startswith("https://")).lower()
+        return options
+
+    def check(self) -> None:
+        """Prove the store usable for concurrent commits: credentials are
+        there, the bucket answers, and a stale second commit of the same log
+        version is refused. Raises StorageError naming what is wrong."""
+        if not self.is_s3:
+            return
+        if not _credentials_in_environment():
+            raise StorageError(
+                f"no AWS credentials for {self.describe()}: set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE (a profile of ~/.aws/credentials or "
+                "~/.aws/config; for an EC2 instance role, credential_source = "
+                "Ec2InstanceMetadata), or AWS_WEB_IDENTITY_TOKEN_FILE, or the container "
+                "credential variables")
+        try:
+            enforced = _conditional_put_enforced(self)
+        except StorageError:
+            raise
+        except Exception as exc:  # botocore's errors carry the store's answer
+            raise StorageError(self._explain(exc)) from None
+        if not enforced:
+            raise StorageError(
+                f"the store at {self.describe()} does not enforce conditional writes "
+                "(put-if-absent, If-None-Match: *): a second write of the same object "
+                "succeeded, so concurrent producers would lose commits. Use a store that "
+                "enforces them (AWS S3, MinIO, Cloudflare R2) or check s3_endpoint; "
+                "nothing was written to the warehouse")
+
+    def _explain(self, exc: BaseException) -> str:
+        text = str(exc)
+        where = self.describe()
+        if "NoSuchBucket" in text or "does not exist" in text:
+            return f"bucket {self.bucket!r} does not exist at {where}"
+        if any(s in text for s in ("InvalidAccessKeyId", "SignatureDoesNotMatch",
+                                   "AccessDenied", "403 Forbidden", "ExpiredToken")):
+            return (f"the store at {where} refused the credentials (check AWS_ACCESS_KEY_ID / "
+                    "AWS_SECRET_ACCESS_KEY or AWS_PROFILE, and the bucket's policy)")
+        if any(s in text for s in ("error sending request", "Connection refused",
+                                   "connection error", "dns error", "timed out",
+                                   "tcp connect", "Could not connect")):
+            return (f"cannot reach the store at {where}: check s3_endpoint, s3_region and "
+                    "the network")
+        first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        return f"cannot use the store at {where}: {first_line}"
+
+
+def is_s3(uri: str) -> bool:
+    return uri.split("://", 1)[0].lower() in S3_SCHEMES if "://" in uri else False
+
+
+def _with_bucket_host(endpoint: str, bucket: str) -> str:
+    """`https://host` as `https://bucket.host`: delta-rs' virtual-hosted
+    requests go to the endpoint as given."""
+    scheme, rest = endpoint.split("://", 1)
+    return endpoint if rest.startswith(bucket + ".") else f"{scheme}://{bucket}.{rest}"
+
+
+def _credentials_in_environment() -> bool:
+    if any(os.environ.get(name) for name in CREDENTIAL_SOURCES):
+        return True
+    shared = os.environ.get("AWS_SHARED_CREDENTIALS_FILE",
+                            os.path.join(os.path.expanduser("~"), ".aws", "credentials"))
+    return os.path.isfile(shared)
+
+
+def _conditional_put_enforced(storage: Storage) -> bool:
+    """Write a probe object twice with `If-None-Match: *`: the store must
+    refuse the second write. The probe is deleted afterwards.
+
+    Through boto3 (the `s3` extra), not delta-rs: delta-rs looks for the
+    next log entry before it writes one, so only a true race of two commits
+    would show a store that ignores the condition.
+    """
+    try:
+        import boto3
+        from botocore.config import Config as BotoConfig
+        from botocore.exceptions import ClientError
+    except ImportError:
+        raise StorageError("an S3 warehouse needs boto3 to check the store before writing: "
+                           "pip install 'lakehouse-txn[s3]'") from None
+    client = boto3.client(
+        "s3", endpoint_url=storage.endpoint or None, region_name=storage.resolved_region,
+        config=BotoConfig(s3={"addressing_style": "path" if storage.path_style else "virtual"},
+                          retries={"max_attempts": 2, "mode": "standard"},
+                          connect_timeout=5, read_timeout=20,
+                          request_checksum_calculation="when_required"))
+    prefix = storage.warehouse.split("://", 1)[1].partition("/")[2]
+    key = "/".join(p for p in (prefix, PROBE_PREFIX, uuid.uuid4().hex) if p)
+    client.put_object(Bucket=storage.bucket, Key=key, Body=b"probe", IfNoneMatch="*")
+    try:
+        client.put_object(Bucket=storage.bucket, Key=key, Body=b"again", IfNoneMatch="*")
+        enforced = False
+    except ClientError as exc:
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if status not in (409, 412):
+            raise
+        enforced = True
+    try:
+        client.delete_object(Bucket=storage.bucket, Key=key)
+    except ClientError:
+        pass  # a store may forbid deletes; the probe is a few bytes
+    return enforced
+
+
+# --- the process's warehouses -------------------------------------------------------
+# Many functions reach a table by its URI alone; the settings of the warehouse it
+# lies in are registered once per process by whoever opens it (`use`).
+
+_lock = threading.Lock()
+_registered: dict[str, Storage] = {}
+_checked: set[Storage] = set()
+
+
+def use(storage: Storage, *, check: bool = True) -> Storage:
+    """Register `storage` for the URIs under its warehouse and, once per
+    process, `check` it. Returns it."""
+    with _lock:
+        _registered[storage.warehouse] = storage
+        done = storage in _checked
+    if check and not done:
+        storage.check()
+        with _lock:
+            _checked.add(storage)
+    return storage
+
+
+def storage_for(uri: str) -> Storage:
+    """The registered storage of the warehouse holding `uri`, else one with
+    the default settings (AWS S3 for an S3 URI)."""
+    key = _canonical(uri)
+    with _lock:
+        matches = [s for w, s in _registered.items() if key == w or key.startswith(w + "/")]
+    if matches:
+        return max(matches, key=lambda s: len(s.warehouse))
+    if is_s3(uri):
+        bucket = key.split("://", 1)[1].split("/", 1)[0]
+        return Storage(warehouse="s3a://" + bucket)
+    return Storage(warehouse=uri)
+
+
+def options_for(uri: str, given: Mapping[str, Any] | None = None) -> dict[str, str] | None:
+    """delta-rs storage options for a table at `uri`: `given` when the
+    caller has its own, else those of its registered warehouse."""
+    if given is not None:
+        return dict(given)
+    return storage_for(uri).delta_rs_options()
+
+
+def _canonical(uri: str) -> str:
+    if is_s3(uri):
+        return "s3a://" + uri.split("://", 1)[1].rstrip("/")
+    return uri.rstrip("/")
