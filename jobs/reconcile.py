@@ -146,7 +146,7 @@ def recover(spark, config: Config | dict, *, clock=time.time) -> RunSummary | No
     use_warehouse(spark, cfg)
     lease = Lease(cfg.warehouse, cfg.lease_ttl_s, clock=clock).acquire()
     try:
-        _ensure_tables(spark, cfg.warehouse)
+        _ensure_tables(cfg.warehouse)
         last = state.last_run(cfg.warehouse)
         if last is None or last.status != state.STARTED:
             return None
@@ -158,7 +158,7 @@ def recover(spark, config: Config | dict, *, clock=time.time) -> RunSummary | No
 
 def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSummary:
     wh = cfg.warehouse
-    _ensure_tables(spark, wh)
+    _ensure_tables(wh)
     last = state.last_run(wh)
     redone = None
     if last is not None and last.status == state.STARTED:
@@ -242,11 +242,11 @@ def _dry_run(spark, cfg: Config, now_ms: int | None) -> RunSummary:
     return summary
 
 
-def _ensure_tables(spark, warehouse: str) -> None:
+def _ensure_tables(warehouse: str) -> None:
     if not state.is_delta(table_path(warehouse, HALF)):
         from txn_core.tables import ensure_broker_tables
         ensure_broker_tables(warehouse)
-    state.ensure_job_tables(spark, warehouse)
+    state.ensure_job_tables(warehouse)
 
 
 def _new_intent(spark, wh: str, last: state.RunRecord | None, cfg: Config,
@@ -379,7 +379,7 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held
     if writing and delivered_by_topic:  # the biggest write: started before the others are planned
         delivered = T.with_bodies(T.queue_positions(won, queues), known,
                                   broadcast=c["committed"] <= BROADCAST_MAX_ROWS)
-        _start_deliveries(spark, wh, T.deliveries(delivered, rules), delivered_by_topic, writes)
+        _start_deliveries(wh, T.deliveries(delivered, rules), delivered_by_topic, writes)
     few_won = c["committed"] + c["rolled_back"] <= BROADCAST_MAX_ROWS
     undecided = T.remaining_pending(live, won, broadcast=few_won)
     decided = held.checkpoint(counted.fates(
@@ -498,11 +498,11 @@ class _Writes:
                        errors[0])
 
 
-def _start_deliveries(spark, wh: str, delivered, topics, writes: _Writes) -> None:
+def _start_deliveries(wh: str, delivered, topics, writes: _Writes) -> None:
     """Start writing `delivered` (TOPIC rows with their `topic`) to the
     tables of `topics`: in one Spark job when `jobs.commits` can write them
     all (`_put_deliveries`), else one write per topic."""
-    paths = {topic: state.ensure_topic_table(spark, wh, topic)  # creating one is a commit too
+    paths = {topic: state.ensure_topic_table(wh, topic)  # creating one is a commit too
              for topic in topics}
     tables = state.split_tables(delivered, "topic", paths)
     if tables is not None:

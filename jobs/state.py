@@ -63,15 +63,21 @@ def is_delta(path: str) -> bool:
     return RsTable.is_deltatable(path, storage_options=options_for(path))
 
 
-def create_table(spark: SparkSession, path: str, table: TableSchema) -> None:
+def create_table(path: str, table: TableSchema) -> None:
     """Create an empty job table if missing. Every job table has the change data
     feed on (consumers and producers follow them with delta-rs) and no other
-    table feature, so delta-rs can read them."""
-    from delta.tables import DeltaTable
-    builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(spark_schema(table))
-    for key, value in table_properties(table).items():
-        builder = builder.property(key, value)
-    builder.execute()
+    table feature, so delta-rs can read them.
+
+    Created through delta-rs, whose creation is one put-if-absent of the
+    table's first log entry: a run killed while creating a table leaves all of
+    it or nothing. Spark's builder first makes `_delta_log/`, and its catalog
+    takes a directory left so for an existing table, never to be created.
+    """
+    from deltalake import CommitProperties
+    from deltalake import DeltaTable as RsTable
+    RsTable.create(path, arrow_schema(table), mode="ignore",
+                   configuration=table_properties(table), storage_options=options_for(path),
+                   commit_properties=CommitProperties(max_commit_retries=0))
 
 
 def table_properties(table: TableSchema) -> dict[str, str]:
@@ -81,13 +87,13 @@ def table_properties(table: TableSchema) -> dict[str, str]:
     return props
 
 
-def ensure_job_tables(spark: SparkSession, warehouse: str) -> None:
+def ensure_job_tables(warehouse: str) -> None:
     if is_delta(table_path(warehouse, RUNS)):
         return
     for table in JOB_TABLES:
         path = table_path(warehouse, table)
         if not is_delta(path):
-            create_table(spark, path, table)
+            create_table(path, table)
 
 
 def latest_version(path: str) -> int:
@@ -293,10 +299,10 @@ def _tagged(commits: list[dict], run_number: int, app: str) -> bool | None:
     return None
 
 
-def ensure_topic_table(spark: SparkSession, warehouse: str, topic: str) -> str:
+def ensure_topic_table(warehouse: str, topic: str) -> str:
     path = topic_path(warehouse, topic)
     if not is_delta(path):
-        create_table(spark, path, TOPIC)
+        create_table(path, TOPIC)
     return path
 
 

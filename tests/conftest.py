@@ -17,6 +17,12 @@ S3_KEY_ID = "TXNTESTKEYID7Q4Z"
 S3_SECRET = "txn-test-secret-9f3b1c77e2d04a85"
 S3_BUCKET = "txn-tests"
 
+# Set before any JVM starts: a JVM sees the environment it was started with,
+# and the session's Spark (the `spark` fixture) may start before the `s3` one.
+# No test reaches AWS itself: the object-store tests name a loopback endpoint.
+os.environ.update(AWS_ACCESS_KEY_ID=S3_KEY_ID, AWS_SECRET_ACCESS_KEY=S3_SECRET,
+                  AWS_EC2_METADATA_DISABLED="true")
+
 
 @pytest.fixture(scope="session")
 def spark():
@@ -72,17 +78,8 @@ class S3Server:
 
 @pytest.fixture(scope="session")
 def s3():
-    """An S3 server for the whole session; AWS credentials in the environment
-    (inherited by the processes tests start), no instance-metadata look-up."""
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                            "AWS_EC2_METADATA_DISABLED")}
-    os.environ.update(AWS_ACCESS_KEY_ID=S3_KEY_ID, AWS_SECRET_ACCESS_KEY=S3_SECRET,
-                      AWS_EC2_METADATA_DISABLED="true")
+    """An S3 server for the whole session (the test credentials above are in
+    the environment of every process the tests start)."""
     server = S3Server()
     yield server
     server.stop()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value

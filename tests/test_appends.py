@@ -100,7 +100,7 @@ def _read_whole(spark, warehouse: str, version: int):
 
 def test_a_state_table_read_whole_is_its_snapshot_at_the_pinned_version(spark, warehouse,
                                                                         monkeypatch):
-    state.ensure_job_tables(spark, warehouse)
+    state.ensure_job_tables(warehouse)
     path = table_path(warehouse, PENDING)
     _write_pending(spark, path, _pending(1, 2))
     _write_pending(spark, path, _pending(3))  # an overwrite: version 1's files are gone in 2
@@ -118,7 +118,7 @@ def test_a_state_table_read_whole_is_its_snapshot_at_the_pinned_version(spark, w
 
 
 def test_a_state_table_with_deletion_vectors_is_read_by_delta(spark, warehouse):
-    state.ensure_job_tables(spark, warehouse)
+    state.ensure_job_tables(warehouse)
     path = table_path(warehouse, PENDING)
     spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES "
               "('delta.enableDeletionVectors' = 'true')")

@@ -16,7 +16,7 @@ from schemas.spark import spark_schema
 
 
 def _topic_table(spark, warehouse) -> str:
-    return state.ensure_topic_table(spark, warehouse, "ORDER")
+    return state.ensure_topic_table(warehouse, "ORDER")
 
 
 def _topic_rows(spark, offsets, queue_id=0, msg_id="m"):
@@ -98,7 +98,7 @@ def test_other_columns_or_a_check_constraint_go_to_deltas_writer(spark, warehous
 
 def test_a_checkpoint_every_ten_commits_as_delta_writes_them(spark, warehouse):
     path = os.path.join(warehouse, "_sys", "queues")
-    state.create_table(spark, path, QUEUES)
+    state.create_table(path, QUEUES)
     rows = lambda n: spark.createDataFrame([("ORDER", 0, n, n)], spark_schema(QUEUES))  # noqa: E731
     for n in range(1, 11):
         state.write_for_run(rows(n), path, n, QUEUES.path, mode="overwrite")
@@ -123,7 +123,7 @@ def test_file_statistics_of_strings_are_bounds():
 
 def test_a_split_write_stages_each_tables_rows_in_one_job_and_commits_each(spark, warehouse):
     from pyspark.sql import functions as F
-    paths = {t: state.ensure_topic_table(spark, warehouse, t) for t in ("ORDER", "PAY")}
+    paths = {t: state.ensure_topic_table(warehouse, t) for t in ("ORDER", "PAY")}
     rows = (_topic_rows(spark, [1, 2]).withColumn("topic", F.lit("ORDER"))
             .unionByName(_topic_rows(spark, [7]).withColumn("topic", F.lit("PAY")))
             .unionByName(_topic_rows(spark, [9]).withColumn("topic", F.lit("SHIP"))))

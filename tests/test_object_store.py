@@ -114,17 +114,34 @@ def test_every_unusable_store_is_named_before_a_write(s3, monkeypatch):
 
 
 def test_the_cli_exits_2_for_a_missing_bucket_before_starting_spark(s3):
-    cfg = s3.config()
-    done = subprocess.run(
-        [sys.executable, "-m", "jobs.reconcile", "run", "--warehouse", "s3://no-such-bucket/wh",
-         "--s3-endpoint", cfg["s3_endpoint"], "--s3-path-style", "true",
-         "--s3-allow-http", "true"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True, text=True, timeout=120)
+    done = _cli({**s3.config(), "warehouse": "s3://no-such-bucket/wh"}, "run")
     assert done.returncode == 2, done.stderr
     assert "bucket 'no-such-bucket' does not exist" in done.stderr
     assert done.stdout == ""
     _no_secrets(done.stderr)
+
+
+def _cli(settings: dict, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`txn-reconcile ARGS` on the warehouse of `settings`, in a process of its own."""
+    return subprocess.run(
+        [sys.executable, "-m", "jobs.reconcile", *args, "--warehouse", settings["warehouse"],
+         "--s3-endpoint", settings["s3_endpoint"], "--s3-path-style", "true",
+         "--s3-allow-http", "true"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        capture_output=True, text=True, timeout=600)
+
+
+def test_a_second_run_on_s3_exits_75_while_the_lease_is_held(s3):
+    from jobs.lease import EXIT_LEASE_HELD, Lease
+    settings = s3.config()
+    cfg = load_config(env={}, **settings)
+    lease = Lease(use(Storage.from_config(cfg)).warehouse, cfg.lease_ttl_s).acquire()
+    try:
+        done = _cli(settings, "run")
+    finally:
+        lease.release()
+    assert done.returncode == EXIT_LEASE_HELD, done.stderr
+    assert "holds the job's lease" in done.stderr and done.stdout == ""
 
 
 # --- producers --------------------------------------------------------------------------
@@ -264,19 +281,12 @@ def test_a_killed_run_on_s3_is_redone_exactly_once(spark, s3):
     _seed(killed)
     expected = reconcile(spark, load_config(env={}, **clean), now_ms=T)
 
-    def cli(extra_env: dict) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "jobs.reconcile", "run", "--warehouse", killed["warehouse"],
-             "--s3-endpoint", killed["s3_endpoint"], "--s3-path-style", "true",
-             "--s3-allow-http", "true", "--now-ms", str(T)],
-            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **extra_env},
-            capture_output=True, text=True, timeout=600)
-
     # SIGKILL after the topic's commit, before the rest: no finally, no lease release
-    dead = cli({"TXN_FAULT_AT": "after:topics/ORDER", "TXN_FAULT_MODE": "kill"})
+    dead = _cli(killed, "run", "--now-ms", str(T),
+                env={"TXN_FAULT_AT": "after:topics/ORDER", "TXN_FAULT_MODE": "kill"})
     assert dead.returncode in (-9, FAULT_EXIT_CODE), dead.stderr[-3000:]
     assert dead.stdout == ""
-    rerun = cli({})
+    rerun = _cli(killed, "run", "--now-ms", str(T))
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     _no_secrets(dead.stderr, rerun.stdout, rerun.stderr)
     summary = json.loads(rerun.stdout.strip().splitlines()[-1])
