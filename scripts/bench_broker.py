@@ -20,8 +20,14 @@ Arrow columns, or idle waiting for rows; and how busy its upkeep thread was.
 before fsync (ASYNC_FLUSH); the broker core (like delta-rs) does not fsync on a local disk either,
 so the two are comparable on one machine; on S3 a commit is durable in S3.
 
+With `--s3-loopback` every design is measured twice in one invocation, on
+a local disk and on an S3 server started on loopback (scripts/s3_loopback.py),
+with the object-store requests per message the server counted and the S3 /
+local ratios; `--threads-list 32,256` repeats the per-message path per count.
+
 Example:
     python scripts/bench_broker.py -w 256 -s 2048 -d 20
+    python scripts/bench_broker.py --s3-loopback --threads-list 32,256 -d 20 --skip-naive
 """
 from __future__ import annotations
 
@@ -30,15 +36,18 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
+import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from txn_core import (Broker, LocalTransactionState, Message,  # noqa: E402
-                      TransactionListener, TransactionProducer)
+                      TransactionListener, TransactionProducer, load_config)
 
 COMMIT = LocalTransactionState.COMMIT_MESSAGE
 ROLLBACK = LocalTransactionState.ROLLBACK_MESSAGE
@@ -72,10 +81,53 @@ def percentile(sorted_values: list[float], p: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(p * len(sorted_values)))]
 
 
-def run_per_message(args, group_commit: bool, duration: float) -> dict:
+class Store:
+    """Where a measured design's fresh warehouse goes: a temporary local
+    directory, or a new prefix of the loopback S3 server's bucket, whose
+    request counts (`requests()`) give the requests per message."""
+
+    def __init__(self, s3_endpoint: str | None = None):
+        self.s3_endpoint = s3_endpoint
+        self.name = "s3" if s3_endpoint else "local"
+
+    def open(self, **kwargs) -> tuple[Broker, str | None]:
+        """A broker on a fresh warehouse, and its local root to remove after."""
+        if self.s3_endpoint is None:
+            root = tempfile.mkdtemp(prefix="bench-broker-")
+            return Broker.open(os.path.join(root, "warehouse"), **kwargs), root
+        config = load_config(env={}, warehouse=f"s3://bench/{uuid.uuid4().hex}",
+                             s3_endpoint=self.s3_endpoint, s3_path_style=True,
+                             s3_allow_http=True)
+        return Broker.open(config, **kwargs), None
+
+    def requests(self) -> dict[str, int]:
+        if self.s3_endpoint is None:
+            return {}
+        with urllib.request.urlopen(self.s3_endpoint + "/_txn/requests", timeout=10) as resp:
+            return json.load(resp)
+
+
+def per_message(counts_before: dict, counts_after: dict, messages: int) -> dict:
+    """Object-store requests per message over a window, by kind and in all."""
+    diff = {k: counts_after.get(k, 0) - counts_before.get(k, 0) for k in counts_after}
+    figures = {f"{k}_per_msg": round(v / messages, 4) for k, v in sorted(diff.items()) if v}
+    figures["requests_per_msg"] = round(sum(diff.values()) / messages, 4) if messages else None
+    return figures
+
+
+def start_s3_loopback() -> tuple[subprocess.Popen, str]:
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")  # the loopback server takes any
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+    server = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__),
+                                                            "s3_loopback.py"),
+                               "--port", "0", "--bucket", "bench"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return server, f"http://127.0.0.1:{int(server.stdout.readline().split()[1])}"
+
+
+def run_per_message(args, group_commit: bool, duration: float, store: Store = Store()) -> dict:
     """Closed-loop senders for `duration` seconds; returns the figures."""
-    root = tempfile.mkdtemp(prefix="bench-broker-")
-    broker = Broker.open(os.path.join(root, "warehouse"), group_commit=group_commit)
+    broker, root = store.open(group_commit=group_commit)
     producer = TransactionProducer(broker, "benchmark_transaction_producer",
                                    BenchListener(args.check_rollback_rate,
                                                  args.check_unknown_rate))
@@ -111,10 +163,11 @@ def run_per_message(args, group_commit: bool, duration: float) -> dict:
     [t.start() for t in threads]
     start.wait()
     began = time.perf_counter()
-    before = broker.writer_stats
+    before, requests_before = broker.writer_stats, store.requests()
     time.sleep(duration)
     stop.set()
     elapsed = time.perf_counter() - began
+    requests_after = store.requests()
     window = {table: stats - before[table] for table, stats in broker.writer_stats.items()}
     # The naive design can leave senders retrying their commit long after the
     # window; they are not waited for (nor counted) beyond a grace period.
@@ -125,11 +178,14 @@ def run_per_message(args, group_commit: bool, duration: float) -> dict:
     commits = broker.commit_counts
     if not stragglers:
         broker.close()
-        shutil.rmtree(root, ignore_errors=True)
+        if root:
+            shutil.rmtree(root, ignore_errors=True)
     lat = sorted(x for per in latencies for x in per)
     return {
+        "store": store.name,
         "design": "group commit" if group_commit else "naive (one commit per row)",
         "threads": args.threads, "messages": len(lat), "seconds": round(elapsed, 2),
+        **(per_message(requests_before, requests_after, len(lat)) if requests_after else {}),
         "msgs_per_s": round(sum(decided) / elapsed, 1),
         "p50_ms": round(percentile(lat, 0.50) * 1e3, 1),
         "p99_ms": round(percentile(lat, 0.99) * 1e3, 1),
@@ -152,9 +208,8 @@ def writer_figures(stats, elapsed: float) -> dict:
             "upkeep_beside_it": share(stats.upkeep_s)}
 
 
-def run_batches(args) -> dict:
-    root = tempfile.mkdtemp(prefix="bench-batch-")
-    broker = Broker.open(os.path.join(root, "warehouse"))
+def run_batches(args, store: Store = Store()) -> dict:
+    broker, root = store.open()
     producer = TransactionProducer(broker, "benchmark_transaction_producer",
                                    BenchListener(0, 0))
     body = bytes([0]) + os.urandom(args.message_size - 1)  # every batch commits
@@ -168,9 +223,11 @@ def run_batches(args) -> dict:
         sent += len(result) if result.op_written else 0
     elapsed = time.perf_counter() - began
     broker.close()
-    shutil.rmtree(root, ignore_errors=True)
+    if root:
+        shutil.rmtree(root, ignore_errors=True)
     lat.sort()
-    return {"design": "batch path", "batch_size": args.batch_size, "batches": len(lat),
+    return {"store": store.name, "design": "batch path", "batch_size": args.batch_size,
+            "batches": len(lat),
             "messages": sent, "seconds": round(elapsed, 2),
             "msgs_per_s": round(sent / elapsed, 1),
             "p50_batch_ms": round(percentile(lat, 0.5) * 1e3, 1),
@@ -191,10 +248,17 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=10_000)
     p.add_argument("--batch-duration", type=float, default=10.0)
     p.add_argument("--skip-naive", action="store_true")
+    p.add_argument("--s3-loopback", action="store_true",
+                   help="measure on local disk and on an S3 server on loopback, side by side")
+    p.add_argument("--threads-list", default=None,
+                   help="with --s3-loopback: comma-separated thread counts (default: -w)")
     args = p.parse_args(argv)
 
     print("durable = committed to a Delta table (commit file written to the warehouse's "
           "storage); no fsync on local disk, like RocketMQ's default ASYNC_FLUSH")
+    if args.s3_loopback:
+        compare_stores(args)
+        os._exit(0)
     grouped = run_per_message(args, group_commit=True, duration=args.duration)
     print(json.dumps(grouped), flush=True)
     # The batch path before the naive design: naive senders still retrying
@@ -209,6 +273,33 @@ def main(argv=None) -> int:
     # Abandoned naive senders may still be inside delta-rs: leave without
     # running interpreter shutdown under them.
     os._exit(0)
+
+
+def compare_stores(args) -> None:
+    """Each design on local disk, then on the loopback S3 server; S3 / local."""
+    server, endpoint = start_s3_loopback()
+    try:
+        stores = (Store(), Store(endpoint))
+        counts = [int(n) for n in (args.threads_list or str(args.threads)).split(",")]
+        for threads in counts:
+            args.threads = threads
+            local, s3 = (run_per_message(args, True, args.duration, s) for s in stores)
+            print(json.dumps(local), flush=True)
+            print(json.dumps(s3), flush=True)
+            print(json.dumps(_ratios(f"per-message, {threads} threads", local, s3,
+                                     ("msgs_per_s", "p50_ms", "p99_ms"))), flush=True)
+        local, s3 = (run_batches(args, s) for s in stores)
+        print(json.dumps(local), flush=True)
+        print(json.dumps(s3), flush=True)
+        print(json.dumps(_ratios("batch path", local, s3, ("msgs_per_s", "p50_batch_ms"))),
+              flush=True)
+    finally:
+        server.kill()
+
+
+def _ratios(label: str, local: dict, s3: dict, keys: tuple[str, ...]) -> dict:
+    return {"s3_over_local": label,
+            **{k: round(s3[k] / local[k], 2) if local[k] else None for k in keys}}
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import sys
 import pytest
 from deltalake import DeltaTable
 
-from conftest import REPO, S3_BUCKET, S3_KEY_ID, S3_SECRET, S3Server
+from conftest import REPO, S3_KEY_ID, S3_SECRET, S3Server
 from jobs.faults import FAULT_EXIT_CODE
 from jobs.reconcile import main, reconcile
 from jobs.status import status
