@@ -1,14 +1,22 @@
 # The two commands of the README. Each one sets up what it needs first, and
 # is safe to run again: pip skips what is installed, mvn what is in ~/.m2.
 PYTHON ?= python3
+# MinIO for the object-store tests and benchmarks, built from its Go module
+# (a few minutes once, then kept under target/ per version).
+MINIO_VERSION = v0.0.0-20260212201848-7aac2a2c5b7c
+MINIO = target/minio-$(MINIO_VERSION)/minio
 
 .PHONY: setup demo test bench
 
-setup:
+setup: $(MINIO)
 	$(PYTHON) -m pip install -q --disable-pip-version-check --root-user-action=ignore -e '.[test]'
 	mvn -q -B -f pom.xml dependency:resolve dependency:build-classpath \
 	    -Dmdep.outputFile=target/spark-jars.txt -DexcludeArtifactIds=scala-library
 	$(PYTHON) scripts/build_class_archive.py
+
+$(MINIO):
+	GOBIN=$(CURDIR)/$(dir $(MINIO)) go install github.com/minio/minio@$(MINIO_VERSION)
+	mkdir -p target/bin && ln -sfn $(CURDIR)/$(MINIO) target/bin/minio
 
 demo: setup
 	$(PYTHON) scripts/demo.py

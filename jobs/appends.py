@@ -15,9 +15,10 @@ inserts are exactly the rows of the files their `add` actions mark
 dataChange=true, which `appended_files` lists from the commits' log entries
 and `read_appended` reads, each row with the version that added it. Anything
 else in the range — a DELETE's change files, a deletion vector, partitions,
-column mapping, a file added twice (a RESTORE) — and any table not on a
-local disk, where the log entries are not plain files to read, fall back to
-the change data feed, which is always right.
+column mapping, a file added twice (a RESTORE) — and any table neither on a
+local disk nor on S3 (where the entries are fetched with the warehouse's
+client, several at a time) fall back to the change data feed, which is
+always right.
 
 A table read whole (the pending set, the queues) is read the same way, as
 the files of its snapshot (`snapshot_files`), under the same conditions.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import unquote
 
 from pyspark.sql import DataFrame, SparkSession
@@ -36,11 +38,14 @@ from jobs.local import local_frame
 from schemas import TableSchema
 from schemas.spark import spark_schema
 from txn_core.log_trim import local_path
+from txn_core.storage import is_s3, options_for, storage_for
 
 _FILE_VERSIONS = StructType([StructField("_file", StringType(), False),
                              StructField("commit_version", LongType(), False)])
 #: table properties under which a data file's rows are not the table's rows as written
 _READER_PROPERTIES = ("delta.columnMapping.mode",)
+#: log entries fetched at once from an object store
+_PARALLEL_GETS = 16
 
 
 def log_entry(root: str, version: int) -> str:
@@ -56,26 +61,67 @@ def appended_files(path: str, after: int, upto: int) -> list[tuple[int, str]] | 
     entry missing (removed meanwhile) also gives None, and the change data
     feed then says what is wrong.
     """
-    root = local_path(path)
-    if root is None or not plain_table(_rs_table(path, upto)):
+    if (local_path(path) is None and not is_s3(path)) or not plain_table(_rs_table(path, upto)):
+        return None
+    entries = _log_entries(path, range(after + 1, upto + 1))
+    if entries is None:
         return None
     files: list[tuple[int, str]] = []
-    for version in range(after + 1, upto + 1):
-        try:
-            with open(log_entry(root, version), "rb") as entry:
-                actions = [json.loads(line) for line in entry if line.strip()]
-        except FileNotFoundError:
-            return None
+    for version, actions in entries:
         for action in actions:
             if not _plain(action):
                 return None
             add = action.get("add")
             if add is not None and add.get("dataChange", True):
-                files.append((version, os.path.join(root, unquote(add["path"]))))
-    names = [os.path.basename(f) for _, f in files]
+                if "://" in add["path"]:
+                    return None  # an absolute path (a shallow clone): the change feed
+                files.append((version, _join(path, unquote(add["path"]))))
+    names = [f.rsplit("/", 1)[-1] for _, f in files]
     if len(set(names)) != len(names):
         return None  # a file added twice, or two directories: leave it to the change feed
     return files
+
+
+def _log_entries(path: str, versions: range) -> list[tuple[int, list[dict]]] | None:
+    """The actions of each version's log entry, from a local disk or an S3
+    store; None if one is missing."""
+    root = local_path(path)
+    if root is not None:
+        entries = []
+        for version in versions:
+            try:
+                with open(log_entry(root, version), "rb") as entry:
+                    entries.append((version, _actions(entry.read())))
+            except FileNotFoundError:
+                return None
+        return entries
+    storage = storage_for(path)
+    client = storage.s3_client()
+    prefix = path.split("://", 1)[1].partition("/")[2].rstrip("/")
+
+    def get(version: int) -> bytes | None:
+        try:
+            return client.get_object(Bucket=storage.bucket,
+                                     Key=f"{prefix}/_delta_log/{version:020d}.json")["Body"].read()
+        except client.exceptions.NoSuchKey:
+            return None
+
+    # Entries are small: their requests' latency, not their bytes, is the cost.
+    with ThreadPoolExecutor(_PARALLEL_GETS) as pool:
+        bodies = list(pool.map(get, versions))
+    if any(body is None for body in bodies):
+        return None
+    return [(v, _actions(body)) for v, body in zip(versions, bodies)]
+
+
+def _actions(entry: bytes) -> list[dict]:
+    return [json.loads(line) for line in entry.splitlines() if line.strip()]
+
+
+def _join(table_path: str, relative: str) -> str:
+    root = local_path(table_path)
+    return os.path.join(root, relative) if root is not None else \
+        table_path.rstrip("/") + "/" + relative
 
 
 def _plain(action: dict) -> bool:
@@ -106,13 +152,13 @@ def _plain_reader(min_reader_version: int, reader_features) -> bool:
 def snapshot_files(path: str, version: int) -> list[str] | None:
     """The data files of the table as of `version`, when its rows are those
     files' rows as written (no deletion vectors, column mapping or
-    partitions) and they are on a local disk; otherwise None.
+    partitions) and they are on a local disk or S3; otherwise None.
 
     Listed from the log by delta-rs in milliseconds, where Delta's own
     reader first computes the table's snapshot in a Spark job (~0.4 s on 2
     cores; for the pending set, before the run can start its first pass).
     """
-    if local_path(path) is None:
+    if local_path(path) is None and not is_s3(path):
         return None
     table = _rs_table(path, version)
     return table.file_uris() if plain_table(table) else None
@@ -120,7 +166,7 @@ def snapshot_files(path: str, version: int) -> list[str] | None:
 
 def _rs_table(path: str, version: int):
     from deltalake import DeltaTable as RsTable
-    return RsTable(path, version=version)
+    return RsTable(path, version=version, storage_options=options_for(path))
 
 
 def plain_table(table) -> bool:

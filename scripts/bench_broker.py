@@ -20,10 +20,11 @@ Arrow columns, or idle waiting for rows; and how busy its upkeep thread was.
 before fsync (ASYNC_FLUSH); the broker core (like delta-rs) does not fsync on a local disk either,
 so the two are comparable on one machine; on S3 a commit is durable in S3.
 
-With `--s3-loopback` every design is measured twice in one invocation, on
-a local disk and on an S3 server started on loopback (scripts/s3_loopback.py),
-with the object-store requests per message the server counted and the S3 /
-local ratios; `--threads-list 32,256` repeats the per-message path per count.
+With `--s3-loopback` (MinIO; `--s3-loopback moto` for moto) or `--warehouse
+s3://…` every design is measured twice in one invocation, on a local disk and
+on the object store, with the S3 / local ratios and, on a loopback server, the
+object-store requests per message it counted; `--threads-list 32,256`
+repeats the per-message path per count.
 
 Example:
     python scripts/bench_broker.py -w 256 -s 2048 -d 20
@@ -35,19 +36,15 @@ import argparse
 import json
 import os
 import random
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.request
-import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_store import Store, add_arguments, stores_from_args  # noqa: E402
 from txn_core import (Broker, LocalTransactionState, Message,  # noqa: E402
-                      TransactionListener, TransactionProducer, load_config)
+                      TransactionListener, TransactionProducer)
 
 COMMIT = LocalTransactionState.COMMIT_MESSAGE
 ROLLBACK = LocalTransactionState.ROLLBACK_MESSAGE
@@ -81,30 +78,10 @@ def percentile(sorted_values: list[float], p: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(p * len(sorted_values)))]
 
 
-class Store:
-    """Where a measured design's fresh warehouse goes: a temporary local
-    directory, or a new prefix of the loopback S3 server's bucket, whose
-    request counts (`requests()`) give the requests per message."""
-
-    def __init__(self, s3_endpoint: str | None = None):
-        self.s3_endpoint = s3_endpoint
-        self.name = "s3" if s3_endpoint else "local"
-
-    def open(self, **kwargs) -> tuple[Broker, str | None]:
-        """A broker on a fresh warehouse, and its local root to remove after."""
-        if self.s3_endpoint is None:
-            root = tempfile.mkdtemp(prefix="bench-broker-")
-            return Broker.open(os.path.join(root, "warehouse"), **kwargs), root
-        config = load_config(env={}, warehouse=f"s3://bench/{uuid.uuid4().hex}",
-                             s3_endpoint=self.s3_endpoint, s3_path_style=True,
-                             s3_allow_http=True)
-        return Broker.open(config, **kwargs), None
-
-    def requests(self) -> dict[str, int]:
-        if self.s3_endpoint is None:
-            return {}
-        with urllib.request.urlopen(self.s3_endpoint + "/_txn/requests", timeout=10) as resp:
-            return json.load(resp)
+def open_broker(store: Store, **kwargs) -> tuple[Broker, str]:
+    """A broker on a fresh warehouse of `store`, and that warehouse."""
+    warehouse = store.warehouse()
+    return Broker.open(store.config(warehouse), **kwargs), warehouse
 
 
 def per_message(counts_before: dict, counts_after: dict, messages: int) -> dict:
@@ -115,19 +92,9 @@ def per_message(counts_before: dict, counts_after: dict, messages: int) -> dict:
     return figures
 
 
-def start_s3_loopback() -> tuple[subprocess.Popen, str]:
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")  # the loopback server takes any
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-    server = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__),
-                                                            "s3_loopback.py"),
-                               "--port", "0", "--bucket", "bench"],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    return server, f"http://127.0.0.1:{int(server.stdout.readline().split()[1])}"
-
-
-def run_per_message(args, group_commit: bool, duration: float, store: Store = Store()) -> dict:
+def run_per_message(args, group_commit: bool, duration: float, store: Store) -> dict:
     """Closed-loop senders for `duration` seconds; returns the figures."""
-    broker, root = store.open(group_commit=group_commit)
+    broker, warehouse = open_broker(store, group_commit=group_commit)
     producer = TransactionProducer(broker, "benchmark_transaction_producer",
                                    BenchListener(args.check_rollback_rate,
                                                  args.check_unknown_rate))
@@ -178,8 +145,7 @@ def run_per_message(args, group_commit: bool, duration: float, store: Store = St
     commits = broker.commit_counts
     if not stragglers:
         broker.close()
-        if root:
-            shutil.rmtree(root, ignore_errors=True)
+        store.remove(warehouse)
     lat = sorted(x for per in latencies for x in per)
     return {
         "store": store.name,
@@ -208,8 +174,8 @@ def writer_figures(stats, elapsed: float) -> dict:
             "upkeep_beside_it": share(stats.upkeep_s)}
 
 
-def run_batches(args, store: Store = Store()) -> dict:
-    broker, root = store.open()
+def run_batches(args, store: Store) -> dict:
+    broker, warehouse = open_broker(store)
     producer = TransactionProducer(broker, "benchmark_transaction_producer",
                                    BenchListener(0, 0))
     body = bytes([0]) + os.urandom(args.message_size - 1)  # every batch commits
@@ -223,8 +189,7 @@ def run_batches(args, store: Store = Store()) -> dict:
         sent += len(result) if result.op_written else 0
     elapsed = time.perf_counter() - began
     broker.close()
-    if root:
-        shutil.rmtree(root, ignore_errors=True)
+    store.remove(warehouse)
     lat.sort()
     return {"store": store.name, "design": "batch path", "batch_size": args.batch_size,
             "batches": len(lat),
@@ -248,24 +213,28 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=10_000)
     p.add_argument("--batch-duration", type=float, default=10.0)
     p.add_argument("--skip-naive", action="store_true")
-    p.add_argument("--s3-loopback", action="store_true",
-                   help="measure on local disk and on an S3 server on loopback, side by side")
     p.add_argument("--threads-list", default=None,
-                   help="with --s3-loopback: comma-separated thread counts (default: -w)")
+                   help="with an object store: comma-separated thread counts (default: -w)")
+    add_arguments(p)
     args = p.parse_args(argv)
 
     print("durable = committed to a Delta table (commit file written to the warehouse's "
           "storage); no fsync on local disk, like RocketMQ's default ASYNC_FLUSH")
-    if args.s3_loopback:
-        compare_stores(args)
+    stores, server = stores_from_args(args)
+    if len(stores) == 2:
+        try:
+            compare_stores(args, *stores)
+        finally:
+            server and server.stop()
         os._exit(0)
-    grouped = run_per_message(args, group_commit=True, duration=args.duration)
+    local = stores[0]
+    grouped = run_per_message(args, True, args.duration, local)
     print(json.dumps(grouped), flush=True)
     # The batch path before the naive design: naive senders still retrying
     # their commits after its window would share the cores with it.
-    print(json.dumps(run_batches(args)), flush=True)
+    print(json.dumps(run_batches(args, local)), flush=True)
     if not args.skip_naive:
-        naive = run_per_message(args, group_commit=False, duration=args.duration)
+        naive = run_per_message(args, False, args.duration, local)
         print(json.dumps(naive))
         ratio = grouped["msgs_per_s"] / naive["msgs_per_s"] if naive["msgs_per_s"] else None
         print(json.dumps({"group_commit_vs_naive": round(ratio, 1) if ratio else None}),
@@ -275,26 +244,21 @@ def main(argv=None) -> int:
     os._exit(0)
 
 
-def compare_stores(args) -> None:
-    """Each design on local disk, then on the loopback S3 server; S3 / local."""
-    server, endpoint = start_s3_loopback()
-    try:
-        stores = (Store(), Store(endpoint))
-        counts = [int(n) for n in (args.threads_list or str(args.threads)).split(",")]
-        for threads in counts:
-            args.threads = threads
-            local, s3 = (run_per_message(args, True, args.duration, s) for s in stores)
-            print(json.dumps(local), flush=True)
-            print(json.dumps(s3), flush=True)
-            print(json.dumps(_ratios(f"per-message, {threads} threads", local, s3,
-                                     ("msgs_per_s", "p50_ms", "p99_ms"))), flush=True)
-        local, s3 = (run_batches(args, s) for s in stores)
+def compare_stores(args, *stores: Store) -> None:
+    """Each design on local disk, then on the object store; store / local."""
+    counts = [int(n) for n in (args.threads_list or str(args.threads)).split(",")]
+    for threads in counts:
+        args.threads = threads
+        local, s3 = (run_per_message(args, True, args.duration, s) for s in stores)
         print(json.dumps(local), flush=True)
         print(json.dumps(s3), flush=True)
-        print(json.dumps(_ratios("batch path", local, s3, ("msgs_per_s", "p50_batch_ms"))),
-              flush=True)
-    finally:
-        server.kill()
+        print(json.dumps(_ratios(f"per-message, {threads} threads", local, s3,
+                                 ("msgs_per_s", "p50_ms", "p99_ms"))), flush=True)
+    local, s3 = (run_batches(args, s) for s in stores)
+    print(json.dumps(local), flush=True)
+    print(json.dumps(s3), flush=True)
+    print(json.dumps(_ratios("batch path", local, s3, ("msgs_per_s", "p50_batch_ms"))),
+          flush=True)
 
 
 def _ratios(label: str, local: dict, s3: dict, keys: tuple[str, ...]) -> dict:

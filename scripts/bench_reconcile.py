@@ -18,6 +18,10 @@ In one invocation:
      in a fresh process (target <= 20 s);
   5. a small run: SMALL new messages on the warehouse of run 1, in the same
      session: the near-fixed cost a frequent schedule (cron every minute) pays.
+With --s3-loopback (or --warehouse s3://… and the endpoint settings) all of it
+is measured on local disk and then on the object store, in one invocation and
+one SparkSession, and the object store's figures are printed as ratios to
+local disk's.
 Runs 1-3 share one SparkSession, warmed up first by a run over 1,000 messages
 and then by the run that resolves the history (before run 1: a cold JVM
 compiles Spark's hot code during its first big run, which would otherwise be
@@ -26,28 +30,31 @@ Producer rows are written with delta-rs in big batches (no broker core), with
 the mix: 85 % commit, 10 % roll back, 5 % stay pending.
 
     python scripts/bench_reconcile.py --batch 200000
+    python scripts/bench_reconcile.py --batch 200000 --s3-loopback
 """
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
+import uuid
 from statistics import median
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import write_deltalake
+from deltalake import DeltaTable, write_deltalake
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from schemas import HALF, OP, table_path  # noqa: E402
 from schemas.arrow import arrow_schema  # noqa: E402
 from schemas.spark import spark_schema  # noqa: E402
+from txn_core.storage import options_for  # noqa: E402
 from txn_core.tables import ensure_broker_tables  # noqa: E402
+
+from bench_store import Store, add_arguments, stores_from_args  # noqa: E402
 
 TOPICS = ("ORDER", "PAY", "SHIP", "BILL")
 SMALL = 50
@@ -100,11 +107,11 @@ def fill(warehouse: str, start: int, n: int, body_bytes: int, store_ms: int,
     for s in range(start, start + n, CHUNK):
         k = min(CHUNK, start + n - s)
         write_deltalake(table_path(warehouse, HALF), half_batch(s, k, body_bytes, store_ms),
-                        mode="append")
+                        mode="append", storage_options=options_for(warehouse))
     for s in range(start, start + n, CHUNK):
         k = min(CHUNK, start + n - s)
         write_deltalake(table_path(warehouse, OP), op_batch(s, k, store_ms, leave_pending),
-                        mode="append")
+                        mode="append", storage_options=options_for(warehouse))
 
 
 def timed(fn) -> tuple[float, object]:
@@ -155,7 +162,7 @@ def lower_bound_by_topic(spark, warehouse: str, start_half_v: int, start_op_v: i
     from concurrent.futures import ThreadPoolExecutor
 
     from jobs.held import Held
-    outs = {topic: os.path.join(out, topic) for topic in TOPICS}
+    outs = {topic: f"{out}/{topic}" for topic in TOPICS}
     for path in outs.values():
         _topic_like_table(spark, path)
 
@@ -173,34 +180,22 @@ def _all(values: list[float], digits: int = 1) -> str:
     return "[" + ", ".join(f"{v:.{digits}f}" for v in values) + "]"
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--batch", type=int, default=1_000_000, help="B, new messages per run")
-    p.add_argument("--history-factor", type=int, default=10, help="H = factor x B")
-    p.add_argument("--body-bytes", type=int, default=100)
-    p.add_argument("--repeats", type=int, default=5,
-                   help="measured repetitions of each run and of the lower bound "
-                        "(their medians are compared)")
-    p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
-    args = p.parse_args(argv)
-    b, h = args.batch, args.history_factor * args.batch
-    root = args.dir or tempfile.mkdtemp(prefix="bench-reconcile-")
-
+def measure(spark, store: Store, args) -> dict:
+    """Every figure of the module's docstring, on `store`."""
     from jobs.reconcile import reconcile
-    from jobs.session import build_spark
-    spark = build_spark("bench-reconcile")
-    cfg = lambda wh: {"warehouse": wh}  # noqa: E731
+    b, h = args.batch, args.history_factor * args.batch
+    cfg = store.config
 
     # Warm the JVM up first (class loading, code generation), so that the
     # first measured run is not charged for it and the ratios compare runs.
-    warm = os.path.join(root, "warm-up")
-    fill(warm, 0, 1_000, args.body_bytes, NOW, leave_pending=True)
+    warm = store.warehouse("warm-up")
+    fill(cfg(warm).warehouse, 0, 1_000, args.body_bytes, NOW, leave_pending=True)
     reconcile(spark, cfg(warm), now_ms=NOW + 1000)
 
     # The history's own run comes first: a run over that many rows is also
     # what brings the JVM's compiled code up to speed (a small warm-up does
     # not make the hot paths hot), so both measured runs below find it warm.
-    hist = os.path.join(root, "history")
+    hist = cfg(store.warehouse("history")).warehouse
     fill(hist, 0, h, args.body_bytes, NOW - 10_000, leave_pending=False)
     t_build, _ = timed(lambda: reconcile(spark, cfg(hist), now_ms=NOW))
 
@@ -208,12 +203,15 @@ def main(argv=None) -> None:
         """(seconds, summary) of the run over `warehouse`, or over a copy of
         it, left as it was for the next repetition (the same inputs, the
         same plans)."""
-        target = warehouse + "-copy" if copy else warehouse
+        # A new name each time: Spark's Delta caches each path's log, and a
+        # table deleted and made again at the same path would be reported
+        # (and read) as the same table changed.
+        target = f"{warehouse}-copy-{uuid.uuid4().hex[:8]}" if copy else warehouse
         if copy:
-            shutil.copytree(warehouse, target)
+            store.copy(warehouse, target)
         took, summary = timed(lambda: reconcile(spark, cfg(target), now_ms=NOW + 1000))
         if copy:
-            shutil.rmtree(target)
+            store.remove(target)
         return took, summary
 
     # Each run once unmeasured (its "first time": it also pays for what
@@ -222,60 +220,107 @@ def main(argv=None) -> None:
     # compiler keeps warming up over the first runs of a session, and one
     # measurement of each side, taken at different moments, compared that
     # as much as the two.
-    fresh = os.path.join(root, "fresh")
+    fresh = cfg(store.warehouse("fresh")).warehouse
     fill(fresh, 0, b, args.body_bytes, NOW, leave_pending=True)
     t_fresh_1, _ = run(fresh)
     fresh_runs = [run(fresh, copy=r < args.repeats - 1) for r in range(args.repeats)]
-    t_fresh, s_fresh = median([t for t, _ in fresh_runs]), fresh_runs[-1][1]
 
-    from deltalake import DeltaTable
-    half_v = DeltaTable(table_path(hist, HALF)).version()
-    op_v = DeltaTable(table_path(hist, OP)).version()
+    half_v = DeltaTable(table_path(hist, HALF), storage_options=options_for(hist)).version()
+    op_v = DeltaTable(table_path(hist, OP), storage_options=options_for(hist)).version()
     fill(hist, h, b, args.body_bytes, NOW, leave_pending=True)
     t_hist_1, _ = run(hist)
-    lower_bound(spark, hist, half_v, op_v, os.path.join(root, "lower_bound_warm_up"))
+    lower_bound(spark, hist, half_v, op_v, store.warehouse("lower_bound_warm_up"))
     hist_times, lower_times = [], []
     for r in range(args.repeats):
         hist_times.append(run(hist)[0])
         lower_times.append(lower_bound(spark, hist, half_v, op_v,
-                                       os.path.join(root, f"lower_bound-{r}")))
-    t_hist, t_lower = median(hist_times), median(lower_times)
-    lower_bound_by_topic(spark, hist, half_v, op_v, os.path.join(root, "by_topic_warm_up"))
-    t_by_topic = lower_bound_by_topic(spark, hist, half_v, op_v, os.path.join(root, "by_topic"))
+                                       store.warehouse(f"lower_bound-{r}")))
+    lower_bound_by_topic(spark, hist, half_v, op_v, store.warehouse("by_topic_warm_up"))
+    t_by_topic = lower_bound_by_topic(spark, hist, half_v, op_v, store.warehouse("by_topic"))
 
     fill(fresh, b, SMALL, args.body_bytes, NOW, leave_pending=True)
     t_small, s_small = timed(lambda: reconcile(spark, cfg(fresh), now_ms=NOW + 1000))
-    spark.stop()
+    return {"store": store, "b": b, "h": h, "fresh_runs": fresh_runs, "fresh_1": t_fresh_1,
+            "hist": hist_times, "hist_1": t_hist_1, "build": t_build, "lower": lower_times,
+            "by_topic": t_by_topic, "small": (t_small, s_small), "fresh_warehouse": fresh}
 
+
+def empty_run(store: Store, warehouse: str) -> tuple[float, subprocess.CompletedProcess]:
+    """`txn-reconcile run` with nothing new, in a new process."""
     t0 = time.perf_counter()
-    empty = subprocess.run([sys.executable, "-m", "jobs.reconcile", "run", "--warehouse", fresh,
-                            "--now-ms", str(NOW + 1000)], capture_output=True, text=True,
-                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    t_empty = time.perf_counter() - t0
+    done = subprocess.run([sys.executable, "-m", "jobs.reconcile", "run", "--warehouse",
+                           warehouse, "--now-ms", str(NOW + 1000), *store.cli_flags()],
+                          capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return time.perf_counter() - t0, done
 
-    print(f"B = {b:,} new messages per run (85% commit, 10% rollback, 5% pending), "
-          f"H = {h:,} resolved before, body {args.body_bytes} B, cores = {os.cpu_count()}")
-    print(f"medians of {args.repeats} measured repetitions; all of them in brackets")
-    print(f"run over B, H = 0            : {t_fresh:8.1f} s  {_all([t for t, _ in fresh_runs])} "
-          f"(first time {t_fresh_1:.1f} s; committed {s_fresh.committed:,}, "
+
+def report(f: dict, repeats: int) -> dict[str, float]:
+    """Print one store's figures; return the headline ones (for the ratios)."""
+    t_fresh = median([t for t, _ in f["fresh_runs"]])
+    s_fresh = f["fresh_runs"][-1][1]
+    t_hist, t_lower = median(f["hist"]), median(f["lower"])
+    t_small, s_small = f["small"]
+    t_empty, empty = f["empty"]
+    h = f["h"]
+    print(f"--- {f['store'].name}: {f['store'].root}")
+    print(f"run over B, H = 0            : {t_fresh:8.1f} s  "
+          f"{_all([t for t, _ in f['fresh_runs']])} "
+          f"(first time {f['fresh_1']:.1f} s; committed {s_fresh.committed:,}, "
           f"rolled back {s_fresh.rolled_back:,}, pending {s_fresh.pending_after:,})")
-    print(f"run over B, H = {h:<12,}: {t_hist:8.1f} s  {_all(hist_times)} "
-          f"(first time {t_hist_1:.1f} s; history run itself {t_build:.1f} s)")
+    print(f"run over B, H = {h:<12,}: {t_hist:8.1f} s  {_all(f['hist'])} "
+          f"(first time {f['hist_1']:.1f} s; history run itself {f['build']:.1f} s)")
     print(f"history ratio                : {t_hist / t_fresh:8.2f}   (target <= 1.3)")
-    print(f"lower bound (read B, write delivered once): {t_lower:.1f} s  {_all(lower_times)}")
+    print(f"lower bound (read B, write delivered once): {t_lower:.1f} s  {_all(f['lower'])}")
     print(f"run / lower bound            : {t_hist / t_lower:8.2f}   (target <= 3; each "
-          f"repetition: {_all([t / lt for t, lt in zip(hist_times, lower_times)], 2)}; "
-          f"first time / lower bound {t_hist_1 / t_lower:.2f})")
-    print(f"the same rows to their {len(TOPICS)} topic tables (2nd time): {t_by_topic:.1f} s; "
-          f"run / that: {t_hist / t_by_topic:.2f}")
+          f"repetition: {_all([t / lt for t, lt in zip(f['hist'], f['lower'])], 2)}; "
+          f"first time / lower bound {f['hist_1'] / t_lower:.2f})")
+    print(f"the same rows to their {len(TOPICS)} topic tables (2nd time): "
+          f"{f['by_topic']:.1f} s; run / that: {t_hist / f['by_topic']:.2f}")
     print(f"empty run, new process       : {t_empty:8.1f} s  exit {empty.returncode} "
           f"(target <= 20 s)")
     print(f"small run, {SMALL} new messages  : {t_small:8.1f} s  (after run 1, same session; "
-          f"committed {s_small.committed})")
+          f"committed {s_small.committed})", flush=True)
     if empty.returncode:
         print(empty.stderr[-2000:], file=sys.stderr)
-    if not args.dir:
-        shutil.rmtree(root, ignore_errors=True)
+    return {"run over B, H = 0": t_fresh, "run over B after history": t_hist,
+            "lower bound": t_lower, "empty run": t_empty, "small run": t_small}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--batch", type=int, default=1_000_000, help="B, new messages per run")
+    p.add_argument("--history-factor", type=int, default=10, help="H = factor x B")
+    p.add_argument("--body-bytes", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=5,
+                   help="measured repetitions of each run and of the lower bound "
+                        "(their medians are compared)")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    stores, server = stores_from_args(args)
+
+    from jobs.session import build_spark
+    try:
+        spark = build_spark("bench-reconcile")
+        measured = [measure(spark, store, args) for store in stores]
+        spark.stop()
+        for f in measured:
+            f["empty"] = empty_run(f["store"], f["fresh_warehouse"])
+        print(f"B = {args.batch:,} new messages per run (85% commit, 10% rollback, "
+              f"5% pending), H = {args.history_factor * args.batch:,} resolved before, "
+              f"body {args.body_bytes} B, cores = {os.cpu_count()}")
+        print(f"medians of {args.repeats} measured repetitions; all of them in brackets")
+        headlines = [report(f, args.repeats) for f in measured]
+        if len(headlines) == 2:
+            local, remote = headlines
+            print("--- object store / local disk, same invocation")
+            for key in local:
+                print(f"{key:<29}: {remote[key] / local[key]:8.2f}")
+    finally:
+        for store in stores:
+            store.close()
+        if server:
+            server.stop()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import time
 
@@ -29,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from txn_core import (Broker, LocalTransactionState, Message, TransactionListener,  # noqa: E402
                       TransactionProducer, load_config)
 from txn_core.consumer import read_topic  # noqa: E402
+
+from s3_loopback import Running  # noqa: E402
 
 COMMIT = LocalTransactionState.COMMIT_MESSAGE
 ROLLBACK = LocalTransactionState.ROLLBACK_MESSAGE
@@ -72,18 +73,15 @@ def show(label: str, s) -> None:
           f"pending {s.pending_after:>2}")
 
 
-def s3_loopback() -> tuple[subprocess.Popen, dict]:
-    """scripts/s3_loopback.py in a child process, and the settings that reach it."""
-    server = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__),
-                                                            "s3_loopback.py"),
-                               "--port", "0", "--bucket", "demo"],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    port = int(server.stdout.readline().split()[1])
-    # the loopback server accepts any credentials; a real store needs yours
+def s3_loopback() -> tuple[Running, dict]:
+    """scripts/s3_loopback.py (MinIO) in a child process, and the settings that
+    reach it."""
+    # These credentials become the loopback server's; a real store needs yours.
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "demo")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "demo")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "demo-secret")
+    server = Running("minio", "demo")
     return server, {"warehouse": "s3://demo/warehouse", "s3_path_style": True,
-                    "s3_endpoint": f"http://127.0.0.1:{port}", "s3_allow_http": True}
+                    "s3_endpoint": server.endpoint, "s3_allow_http": True}
 
 
 def main(argv=None) -> int:
@@ -101,7 +99,7 @@ def main(argv=None) -> int:
         return demo(args, overrides)
     finally:
         if server is not None:
-            server.kill()
+            server.stop()
 
 
 def demo(args, overrides: dict) -> int:

@@ -46,19 +46,25 @@ def warehouse(tmp_path):
 
 
 class S3Server:
-    """`scripts/s3_loopback.py` in a child process: moto's S3 server on a
-    free loopback port, with `S3_BUCKET` created."""
+    """`scripts/s3_loopback.py` in a child process on a free loopback port,
+    with `S3_BUCKET` created: MinIO (which checks every request's signature
+    against the credentials above), or moto with `extra_args` such as
+    `--no-conditional-writes`."""
 
-    def __init__(self, *extra_args: str):
+    def __init__(self, server: str = "minio", *extra_args: str):
         self.proc = subprocess.Popen(
-            [sys.executable, str(REPO / "scripts" / "s3_loopback.py"), "--port", "0",
-             "--bucket", S3_BUCKET, *extra_args],
+            [sys.executable, str(REPO / "scripts" / "s3_loopback.py"), "--server", server,
+             "--port", "0", "--bucket", S3_BUCKET, *extra_args],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith("ready "):
             self.proc.kill()
-            raise RuntimeError(f"the S3 server did not start: {line!r}")
-        self.endpoint = f"http://127.0.0.1:{int(line.split()[1])}"
+            raise RuntimeError(f"the S3 server ({server}) did not start: {line!r} "
+                               f"(run `make setup`; `python scripts/s3_loopback.py --server "
+                               f"{server} --port 0` shows why)")
+        _, port, _, counts_port = line.split()
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self.counts_url = f"http://127.0.0.1:{counts_port}/_txn/requests"
 
     def config(self, prefix: str | None = None) -> dict:
         """Configuration keys of a fresh warehouse on this server."""
@@ -68,12 +74,15 @@ class S3Server:
     def requests(self) -> dict[str, int]:
         import json
         import urllib.request
-        with urllib.request.urlopen(self.endpoint + "/_txn/requests", timeout=10) as resp:
+        with urllib.request.urlopen(self.counts_url, timeout=10) as resp:
             return json.load(resp)
 
     def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=10)
+        self.proc.terminate()  # MinIO's wrapper then stops it and removes its data
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
 @pytest.fixture(scope="session")

@@ -75,7 +75,7 @@ def test_only_rows_from_the_change_feed_are_handed_to_keep_slow(spark, warehouse
 
 
 def test_tables_it_cannot_read_as_written_are_left_to_the_change_feed(warehouse):
-    assert appends.appended_files("s3a://bucket/_sys/half", 0, 3) is None
+    assert appends.appended_files("gs://bucket/_sys/half", 0, 3) is None
     path = f"{warehouse}/partitioned"
     rows = pa.Table.from_pylist([{**fx.half(1), "properties": None}], schema=arrow_schema(HALF))
     write_deltalake(path, rows, partition_by=["topic"])

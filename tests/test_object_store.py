@@ -1,4 +1,4 @@
-"""The warehouse on an S3-compatible server (moto's, on loopback, started by
+"""The warehouse on an S3-compatible server (MinIO, on loopback, started by
 `conftest.s3`): one URI for both engines, concurrent producer processes, the
 job's whole cycle, a killed run, and every bad store named before a write."""
 from __future__ import annotations
@@ -25,6 +25,8 @@ from txn_core.storage import Storage, StorageError, options_for, use
 
 S = LocalTransactionState
 T = 1_800_000_000_000
+#: a secret the store does not know (MinIO checks signatures)
+WRONG_SECRET = "not-the-secret-0c4d9e2a"
 
 
 def _rows(uri: str) -> list[dict]:
@@ -99,7 +101,7 @@ def test_every_unusable_store_is_named_before_a_write(s3, monkeypatch):
     refused({**s3.config(), "warehouse": "s3://no-such-bucket/wh"},
             "bucket 'no-such-bucket' does not exist")
     refused({**s3.config(), "s3_endpoint": "http://127.0.0.1:9"}, "cannot reach the store")
-    lax = S3Server("--no-conditional-writes")
+    lax = S3Server("moto", "--no-conditional-writes")
     try:
         settings = lax.config()
         refused(settings, "does not enforce conditional writes")
@@ -107,10 +109,21 @@ def test_every_unusable_store_is_named_before_a_write(s3, monkeypatch):
         assert not DeltaTable.is_deltatable(half, storage_options=options_for(half))
     finally:
         lax.stop()
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", WRONG_SECRET)
+    refused(s3.config(), "refused the credentials")
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     monkeypatch.setenv("HOME", "/nonexistent")  # no ~/.aws/credentials either
     refused(s3.config(), "no AWS credentials")
+
+
+def test_the_cli_exits_2_when_the_store_refuses_the_credentials(s3):
+    done = _cli(s3.config(), "run", env={"AWS_SECRET_ACCESS_KEY": WRONG_SECRET})
+    assert done.returncode == 2, done.stderr
+    assert "refused the credentials" in done.stderr
+    assert done.stdout == ""
+    _no_secrets(done.stderr)
+    assert WRONG_SECRET not in done.stderr
 
 
 def test_the_cli_exits_2_for_a_missing_bucket_before_starting_spark(s3):
@@ -142,6 +155,35 @@ def test_a_second_run_on_s3_exits_75_while_the_lease_is_held(s3):
         lease.release()
     assert done.returncode == EXIT_LEASE_HELD, done.stderr
     assert "holds the job's lease" in done.stderr and done.stdout == ""
+
+
+# --- the job's reads ---------------------------------------------------------------------
+
+def test_the_job_reads_appended_rows_and_snapshots_as_parquet_on_s3(spark, s3):
+    """The log entries are fetched from the store, so the job reads a
+    producer table's new files as parquet there too, not through the change
+    data feed's row-by-row reader; the rows are the same."""
+    from jobs import appends, state
+    from jobs.session import use_warehouse
+    cfg = load_config(env={}, **s3.config())
+    use_warehouse(spark, cfg)
+    broker = Broker.open(cfg)
+    producer = TransactionProducer(broker, group="g", listener=Listener())
+    for i in range(3):
+        producer.send_message_in_transaction(Message(topic="ORDER", body=bytes([i]),
+                                                     keys="commit"))
+    broker.close()
+    path = table_path(cfg.warehouse, HALF)
+    upto = DeltaTable(path, storage_options=options_for(path)).version()
+    files = appends.appended_files(path, 0, upto)
+    assert files is not None and len(files) == 3
+    assert all(f.startswith(path + "/") and f.endswith(".parquet") for _, f in files)
+    fast = state.added_rows(spark, path, HALF, 0, upto)
+    slow = state.change_feed_inserts(spark, path, 0, upto)
+    assert sorted(r.body for r in fast.collect()) == [bytes([i]) for i in range(3)]
+    assert sorted((r.half_offset, r.commit_version) for r in fast.collect()) == sorted(
+        (r.half_offset, r.commit_version) for r in slow.collect())
+    assert all(f.startswith("s3a://") for f in appends.snapshot_files(path, upto))
 
 
 # --- producers --------------------------------------------------------------------------

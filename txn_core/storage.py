@@ -124,6 +124,23 @@ class Storage:
                 self.endpoint.startswith("https://")).lower()
         return options
 
+    def s3_client(self):
+        """A boto3 S3 client for this store (boto3 is the `s3` extra)."""
+        try:
+            import boto3
+            from botocore.config import Config as BotoConfig
+        except ImportError:
+            raise StorageError("an S3 warehouse needs boto3 to check the store before "
+                               "writing: pip install 'lakehouse-txn[s3]'") from None
+        # A session of its own: boto3's default one keeps the credentials it
+        # first found, and this client must see those delta-rs will use now.
+        return boto3.session.Session().client(
+            "s3", endpoint_url=self.endpoint or None, region_name=self.resolved_region,
+            config=BotoConfig(s3={"addressing_style": "path" if self.path_style else "virtual"},
+                              retries={"max_attempts": 2, "mode": "standard"},
+                              connect_timeout=5, read_timeout=20,
+                              request_checksum_calculation="when_required"))
+
     def check(self) -> None:
         """Prove the store usable for concurrent commits: credentials are
         there, the bucket answers, and a stale second commit of the same log
@@ -196,19 +213,8 @@ def _conditional_put_enforced(storage: Storage) -> bool:
     next log entry before it writes one, so only a true race of two commits
     would show a store that ignores the condition.
     """
-    try:
-        import boto3
-        from botocore.config import Config as BotoConfig
-        from botocore.exceptions import ClientError
-    except ImportError:
-        raise StorageError("an S3 warehouse needs boto3 to check the store before writing: "
-                           "pip install 'lakehouse-txn[s3]'") from None
-    client = boto3.client(
-        "s3", endpoint_url=storage.endpoint or None, region_name=storage.resolved_region,
-        config=BotoConfig(s3={"addressing_style": "path" if storage.path_style else "virtual"},
-                          retries={"max_attempts": 2, "mode": "standard"},
-                          connect_timeout=5, read_timeout=20,
-                          request_checksum_calculation="when_required"))
+    client = storage.s3_client()
+    from botocore.exceptions import ClientError
     prefix = storage.warehouse.split("://", 1)[1].partition("/")[2]
     key = "/".join(p for p in (prefix, PROBE_PREFIX, uuid.uuid4().hex) if p)
     client.put_object(Bucket=storage.bucket, Key=key, Body=b"probe", IfNoneMatch="*")
