@@ -220,19 +220,20 @@ def _serve_counts(endpoint: str) -> int:
 
 
 class Running:
-    """This script in a child process, for other scripts: the server kind,
-    its buckets; `endpoint` and `counts_url` once it is ready."""
+    """This script in a child process, for other scripts and the tests: the
+    server kind, its buckets, more flags; `endpoint` and `counts_url` once
+    it is ready."""
 
-    def __init__(self, server: str = "minio", *buckets: str):
+    def __init__(self, server: str = "minio", *buckets: str, extra_args: tuple[str, ...] = ()):
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--server", server, "--port", "0",
-             *(arg for bucket in buckets for arg in ("--bucket", bucket))],
+             *(arg for bucket in buckets for arg in ("--bucket", bucket)), *extra_args],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith("ready "):
             self.proc.kill()
-            raise SystemExit(f"the loopback S3 server ({server}) did not start: "
-                             f"{line.strip() or 'no answer'}")
+            raise RuntimeError(f"the loopback S3 server ({server}) did not start: "
+                               f"{line.strip() or 'no answer'}")
         _, port, _, counts_port = line.split()
         self.endpoint = f"http://127.0.0.1:{port}"
         self.counts_url = f"http://127.0.0.1:{counts_port}{COUNTS_PATH}"

@@ -3,7 +3,6 @@ S3-compatible server on loopback for the object-store tests."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -11,6 +10,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+from s3_loopback import Running  # noqa: E402
 #: the test session's AWS credentials: distinctive, so tests can show that
 #: they appear in no output, table or error
 S3_KEY_ID = "TXNTESTKEYID7Q4Z"
@@ -45,26 +47,14 @@ def warehouse(tmp_path):
     return str(path)
 
 
-class S3Server:
-    """`scripts/s3_loopback.py` in a child process on a free loopback port,
-    with `S3_BUCKET` created: MinIO (which checks every request's signature
-    against the credentials above), or moto with `extra_args` such as
+class S3Server(Running):
+    """`scripts/s3_loopback.py` on a free loopback port, with `S3_BUCKET`
+    created: MinIO (which checks every request's signature against the
+    credentials above), or moto with `extra_args` such as
     `--no-conditional-writes`."""
 
     def __init__(self, server: str = "minio", *extra_args: str):
-        self.proc = subprocess.Popen(
-            [sys.executable, str(REPO / "scripts" / "s3_loopback.py"), "--server", server,
-             "--port", "0", "--bucket", S3_BUCKET, *extra_args],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        line = self.proc.stdout.readline()
-        if not line.startswith("ready "):
-            self.proc.kill()
-            raise RuntimeError(f"the S3 server ({server}) did not start: {line!r} "
-                               f"(run `make setup`; `python scripts/s3_loopback.py --server "
-                               f"{server} --port 0` shows why)")
-        _, port, _, counts_port = line.split()
-        self.endpoint = f"http://127.0.0.1:{port}"
-        self.counts_url = f"http://127.0.0.1:{counts_port}/_txn/requests"
+        super().__init__(server, S3_BUCKET, extra_args=extra_args)
 
     def config(self, prefix: str | None = None) -> dict:
         """Configuration keys of a fresh warehouse on this server."""
@@ -76,13 +66,6 @@ class S3Server:
         import urllib.request
         with urllib.request.urlopen(self.counts_url, timeout=10) as resp:
             return json.load(resp)
-
-    def stop(self) -> None:
-        self.proc.terminate()  # MinIO's wrapper then stops it and removes its data
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 @pytest.fixture(scope="session")
