@@ -27,6 +27,7 @@ from pyspark.sql import Column, DataFrame, Observation
 from pyspark.sql import functions as F
 
 from jobs import transforms as T
+from txn_core.vocabulary import Action, Decision, OpOutcome
 
 
 def _where(cond: str) -> Column:
@@ -70,24 +71,24 @@ class Counters:
         for OPs classified again with the history: the last one counts."""
         return self._observe(
             "ops", classified, _rows().alias("op_read"),
-            _where(f"outcome = '{T.WIN}' AND action = 'COMMIT'").alias("committed"),
-            _where(f"outcome = '{T.WIN}' AND action = 'ROLLBACK'").alias("rolled_back"),
-            _where(f"outcome = '{T.DUPLICATE}'").alias("duplicate_ops"),
-            _where(f"outcome = '{T.CONFLICT}'").alias("conflicting_ops"),
-            _where(f"outcome = '{T.INVALID}'").alias("invalid_ops"),
-            _where(f"outcome = '{T.LATE}'").alias("late_ops"),
+            _where(f"outcome = '{OpOutcome.WIN}' AND action = '{Action.COMMIT}'").alias("committed"),
+            _where(f"outcome = '{OpOutcome.WIN}' AND action = '{Action.ROLLBACK}'").alias("rolled_back"),
+            _where(f"outcome = '{OpOutcome.DUPLICATE}'").alias("duplicate_ops"),
+            _where(f"outcome = '{OpOutcome.CONFLICT}'").alias("conflicting_ops"),
+            _where(f"outcome = '{OpOutcome.INVALID}'").alias("invalid_ops"),
+            _where(f"outcome = '{OpOutcome.LATE}'").alias("late_ops"),
             _where(f"reason = '{T.UNKNOWN_OFFSET}'").alias("_unknown_offset_ops"))
 
     def fates(self, fates: DataFrame, rules: T.Rules) -> DataFrame:
         """`fates` (`T.decide` on the messages no OP decided), counted by
         decision, with the age of the oldest still pending and the earliest
         clock at which one becomes due (`T.due_at_ms` as the next run sees it)."""
-        pending = f"decision IN ('{T.CHECK}', '{T.WAIT}')"
+        pending = f"decision IN ('{Decision.CHECK}', '{Decision.WAIT}')"
         return self._observe(
             "fates", fates,
-            _where(f"decision = '{T.CHECK}'").alias("check_requests"),
-            _where(f"decision = '{T.MAX_CHECKS}'").alias("discarded_max_checks"),
-            _where(f"decision = '{T.EXPIRED}'").alias("discarded_expired"),
+            _where(f"decision = '{Decision.CHECK}'").alias("check_requests"),
+            _where(f"decision = '{Decision.MAX_CHECKS}'").alias("discarded_max_checks"),
+            _where(f"decision = '{Decision.EXPIRED}'").alias("discarded_expired"),
             _where(pending).alias("pending_after"),
             F.expr(f"max(CASE WHEN {pending} THEN age_ms END)").alias("oldest_pending_age_ms"),
             F.min(F.when(F.expr(pending), T.due_at_ms(rules, last_check_ms=T.last_check_after(rules))))

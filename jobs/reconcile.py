@@ -46,6 +46,7 @@ from jobs.session import use_warehouse  # noqa: E402
 from schemas import (CHECK_REQUESTS, DISCARD, HALF, PENDING, QUEUES, REJECTED,  # noqa: E402
                      RESOLVED, table_path)
 from txn_core.config import Config, ConfigError, as_config, load_config  # noqa: E402
+from txn_core.vocabulary import Action, Decision, RunStatus, Source  # noqa: E402
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 #: above this many OPs for messages no longer pending, look them up by a join, not IN (...)
@@ -148,7 +149,7 @@ def recover(spark, config: Config | dict, *, clock=time.time) -> RunSummary | No
     try:
         _ensure_tables(cfg.warehouse)
         last = state.last_run(cfg.warehouse)
-        if last is None or last.status != state.STARTED:
+        if last is None or last.status != RunStatus.STARTED:
             return None
         with lease.renewed():
             return _execute(spark, cfg.warehouse, last, lease, redo=True).summary
@@ -161,7 +162,7 @@ def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSumm
     _ensure_tables(wh)
     last = state.last_run(wh)
     redone = None
-    if last is not None and last.status == state.STARTED:
+    if last is not None and last.status == RunStatus.STARTED:
         # Same input versions, state versions, clock and rules as the first
         # attempt: the writes it made are skipped, the others done.
         last = _execute(spark, wh, last, lease, redo=True).record
@@ -185,7 +186,7 @@ def _nothing_to_do(last: state.RunRecord | None, intent: state.RunRecord) -> boo
     """No input table has a new version since `last`, its rules are the same,
     and its pending set has nothing due at the intent's clock: a full run
     would write nothing but its run records."""
-    if last is None or last.status != state.COMMITTED:
+    if last is None or last.status != RunStatus.COMMITTED:
         return False
     unchanged = ((last.half_version, last.op_version, last.answers_version)
                  == (intent.half_version, intent.op_version, intent.answers_version))
@@ -235,7 +236,7 @@ def _record_idle_run(wh: str, last: state.RunRecord,
 
 def _dry_run(spark, cfg: Config, now_ms: int | None) -> RunSummary:
     last = state.last_run(cfg.warehouse)
-    record = (last if last is not None and last.status == state.STARTED
+    record = (last if last is not None and last.status == RunStatus.STARTED
               else _new_intent(spark, cfg.warehouse, last, cfg, now_ms))
     summary = _execute(spark, cfg.warehouse, record, lease=None, write=False).summary
     summary.dry_run = True
@@ -265,7 +266,7 @@ def _new_intent(spark, wh: str, last: state.RunRecord | None, cfg: Config,
     rules = T.Rules.from_config(cfg, run_id=run_id, run_number=number, now_ms=now)
     nothing = state.NO_VERSION
     return state.RunRecord(
-        run_id=run_id, run_number=number, status=state.STARTED, now_ms=now,
+        run_id=run_id, run_number=number, status=RunStatus.STARTED, now_ms=now,
         started_ms=int(time.time() * 1000),
         half_version=half_v, op_version=op_v, answers_version=answers_v,
         prev_half_version=last.half_version if last else nothing,
@@ -397,10 +398,10 @@ def _compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held
         return undelivered.where(F.col("decision").isin(*decisions))
 
     return _Outputs(
-        requests=T.check_requests(with_decision(T.CHECK), rules),
-        discards=T.discards(with_decision(T.EXPIRED, T.MAX_CHECKS), rules),
+        requests=T.check_requests(with_decision(Decision.CHECK), rules),
+        discards=T.discards(with_decision(Decision.EXPIRED, Decision.MAX_CHECKS), rules),
         rejected=rejected_halves.unionByName(T.op_rejections(classified, rules)),
-        pending=T.next_pending(with_decision(T.CHECK, T.WAIT), rules),
+        pending=T.next_pending(with_decision(Decision.CHECK, Decision.WAIT), rules),
         counts=c, delivered_by_topic=delivered_by_topic)
 
 
@@ -579,7 +580,7 @@ def _summary(record: state.RunRecord, out: _Outputs, duration_ms: int) -> RunSum
 
 def _commit(wh: str, record: state.RunRecord, summary: RunSummary) -> state.RunRecord:
     d = summary.to_dict()
-    done = state.RunRecord(**{**record.__dict__, "status": state.COMMITTED,
+    done = state.RunRecord(**{**record.__dict__, "status": RunStatus.COMMITTED,
                               "ended_ms": int(time.time() * 1000),
                               "counters": d, "delivered_by_topic": summary.delivered_by_topic,
                               "summary_json": summary.to_json()})
@@ -718,8 +719,8 @@ def _cmd_resolve(args, cfg: Config) -> int:
     finally:
         broker.close()
     print(json.dumps({"transaction_id": args.transaction_id,
-                      "action": "COMMIT" if args.commit else "ROLLBACK",
-                      "source": "ADMIN", "remark": args.remark}), flush=True)
+                      "action": Action.COMMIT if args.commit else Action.ROLLBACK,
+                      "source": Source.ADMIN, "remark": args.remark}), flush=True)
     return EXIT_OK
 
 

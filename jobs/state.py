@@ -28,6 +28,7 @@ from schemas import (CHECK_ANSWERS, CHECK_REQUESTS, DISCARD, HALF, OP, PENDING, 
 from schemas.arrow import arrow_schema
 from schemas.spark import spark_schema
 from txn_core.storage import options_for
+from txn_core.vocabulary import RunStatus
 
 #: tables whose rows other parties read incrementally or with delta-rs: change data feed on
 CDF_PROPERTIES = {"delta.enableChangeDataFeed": "true"}
@@ -46,7 +47,6 @@ WHOLE_STATE_TABLES = (PENDING, QUEUES)
 #: job tables that only grow, by a file or two a run: compacted every COMPACT_EVERY_RUNS
 APPEND_ONLY_TABLES = (RUNS, RESOLVED, CHECK_REQUESTS, DISCARD, REJECTED)
 COMPACT_EVERY_RUNS = 100
-STARTED, COMMITTED = "STARTED", "COMMITTED"
 NO_VERSION = -1
 
 log = logging.getLogger(__name__)
@@ -364,7 +364,7 @@ def last_run(warehouse: str) -> RunRecord | None:
     rows = latest_run_rows(warehouse)
     if not rows:
         return None
-    rows.sort(key=lambda r: r["status"] != COMMITTED)
+    rows.sort(key=lambda r: r["status"] != RunStatus.COMMITTED)
     return RunRecord.from_row(rows[0])
 
 

@@ -10,6 +10,7 @@ from jobs import state
 from jobs.session import use_warehouse
 from schemas import HALF, PENDING, table_path
 from txn_core.config import Config, as_config
+from txn_core.vocabulary import RunStatus
 
 
 @dataclass
@@ -49,7 +50,7 @@ def status(spark, config: Config | dict, now_ms: int | None = None) -> StatusRep
             warehouse=wh, now_ms=now,
             last_run_id=last.run_id if last else None,
             last_run_status=last.status if last else None,
-            interrupted=bool(last and last.status == state.STARTED),
+            interrupted=bool(last and last.status == RunStatus.STARTED),
             pending=total["n"],
             oldest_pending_age_ms=(max(now - total["oldest"], 0)
                                    if total["oldest"] is not None else None),

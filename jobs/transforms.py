@@ -31,10 +31,8 @@ from pyspark.sql import functions as F
 from schemas import (CHECK_REQUESTS, DISCARD, HALF, OP, PENDING, QUEUES, REJECTED,
                      RESOLVED, TOPIC, TableSchema)
 from schemas.spark import spark_type
-
-ACTIONS = ("COMMIT", "ROLLBACK")
-SOURCES = ("PRODUCER", "CHECK", "ADMIN")
-UNDECIDED_ANSWERS = ("UNKNOWN", "ERROR")
+from txn_core.vocabulary import (SYSTEM_TOPIC_REGEX, TOPIC_PATTERN, Action, CheckAnswer,
+                                 Decision, OpOutcome, Source)
 
 #: columns of a message no rule reads; they only travel to the output tables
 BODY_COLUMNS = ("msg_id", "tags", "keys", "body", "properties", "born_ms")
@@ -48,17 +46,8 @@ FATE_COLUMNS = ("half_offset", "decision", "queue_offset", "commit_ms", "checks_
 #: an OP as the job reads it: its row and the table version that added it
 OP_COLUMNS = (*OP.names, "commit_version")
 
-# OP outcomes
-WIN, DUPLICATE, CONFLICT, INVALID, LATE = "WIN", "DUPLICATE", "CONFLICT", "INVALID", "LATE"
 #: the reason of an OP naming no message `classify_ops` was given
 UNKNOWN_OFFSET = "unknown half_offset"
-# what `decide` makes of a message no OP decided: discarded, checked or left waiting
-EXPIRED, MAX_CHECKS, CHECK, WAIT = "EXPIRED", "MAX_CHECKS", "CHECK", "WAIT"
-
-# RocketMQ's topic rule (TopicValidator): 1..127 of [A-Za-z0-9_%|-]. A row
-# breaking it was not written by our broker core, which validates first.
-TOPIC_PATTERN = r"^[A-Za-z0-9_%|\-]{1,127}$"
-SYSTEM_TOPIC_PREFIXES = ("_sys", "RMQ_SYS_", "rmq_sys_", "SCHEDULE_TOPIC_", "TBW102")
 
 
 @dataclass(frozen=True)
@@ -122,11 +111,8 @@ def half_reject_reason() -> Column:
     """Why a half row cannot be processed, or null. Evaluated per row: one bad
     row is set aside and never stops the others (SPEC §5.2 step 7)."""
     topic = F.col("topic")
-    system = F.lit(False)
-    for prefix in SYSTEM_TOPIC_PREFIXES:
-        system = system | topic.startswith(prefix)
     return (F.when(~topic.rlike(TOPIC_PATTERN), F.lit("invalid topic name"))
-            .when(system, F.lit("system topic name"))
+            .when(topic.rlike(SYSTEM_TOPIC_REGEX), F.lit("system topic name"))
             .when(F.col("queue_id") < 0, F.lit("negative queue_id")))
 
 
@@ -203,8 +189,8 @@ def _sql_strings(values) -> str:
     return "(" + ", ".join(f"'{v}'" for v in values) + ")"
 
 
-_VALID_OP = f"(action IN {_sql_strings(ACTIONS)} AND source IN {_sql_strings(SOURCES)})"
-_ADMIN_OP = f"({_VALID_OP} AND source = 'ADMIN')"
+_VALID_OP = f"(action IN {_sql_strings(Action)} AND source IN {_sql_strings(Source)})"
+_ADMIN_OP = f"({_VALID_OP} AND source = '{Source.ADMIN}')"
 # valid OPs first, in commit order; the same for every candidate winner
 _OP_RANK = ("PARTITION BY half_offset, transaction_id, producer_group "
             f"ORDER BY {_VALID_OP} DESC, commit_version, op_offset")
@@ -212,18 +198,18 @@ _OP_RANK = ("PARTITION BY half_offset, transaction_id, producer_group "
 # so the first row holds the first valid action whenever there is one
 _UPTO_HERE = f"({_OP_RANK} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)"
 _OP_INVALID = f"""CASE WHEN _t_txn IS NULL THEN '{UNKNOWN_OFFSET}'
-    WHEN NOT action IN {_sql_strings(ACTIONS)} THEN 'invalid action'
-    WHEN NOT source IN {_sql_strings(SOURCES)} THEN 'invalid source'
+    WHEN NOT action IN {_sql_strings(Action)} THEN 'invalid action'
+    WHEN NOT source IN {_sql_strings(Source)} THEN 'invalid source'
     WHEN producer_group != _t_group THEN 'producer_group mismatch'
     WHEN transaction_id != _t_txn THEN 'transaction_id mismatch' END"""
 _DISCARDED = "coalesce(discarded, false)"
-_OP_OUTCOME = f"""CASE WHEN _late THEN '{LATE}'
-    WHEN _invalid IS NOT NULL THEN '{INVALID}'
+_OP_OUTCOME = f"""CASE WHEN _late THEN '{OpOutcome.LATE}'
+    WHEN _invalid IS NOT NULL THEN '{OpOutcome.INVALID}'
     WHEN prior_action IS NULL
-         AND (CASE WHEN {_DISCARDED} THEN _first_admin ELSE _first END) THEN '{WIN}'
+         AND (CASE WHEN {_DISCARDED} THEN _first_admin ELSE _first END) THEN '{OpOutcome.WIN}'
     WHEN action = coalesce(prior_action, CASE WHEN {_DISCARDED} THEN _first_admin_action
-                                              ELSE _first_action END) THEN '{DUPLICATE}'
-    ELSE '{CONFLICT}' END"""
+                                              ELSE _first_action END) THEN '{OpOutcome.DUPLICATE}'
+    ELSE '{OpOutcome.CONFLICT}' END"""
 # the working columns classify_ops drops from what it returns
 _CLASSIFY_WORK = ("_t_txn", "_t_group", "prior_action", "_invalid", "_late", "_first",
                   "_first_action", "_first_admin", "_first_admin_action")
@@ -268,7 +254,7 @@ def classify_ops(ops: DataFrame, targets: DataFrame, *, discards: bool = True) -
                            "discarded")
     joined = (ranked.join(t, "half_offset", "left")
               .selectExpr("*", f"{_OP_INVALID} AS _invalid")
-              .selectExpr("*", f"_invalid IS NULL AND {_DISCARDED} AND source != 'ADMIN' AS _late"))
+              .selectExpr("*", f"_invalid IS NULL AND {_DISCARDED} AND source != '{Source.ADMIN}' AS _late"))
     kept = [f"`{c}`" for c in joined.columns if c not in _CLASSIFY_WORK]
     return joined.selectExpr(
         *kept, "coalesce(_invalid, CASE WHEN _late THEN 'message discarded' END) AS reason",
@@ -295,7 +281,7 @@ def reclassify_with_history(classified: DataFrame, keys: DataFrame,
 
 def op_rejections(classified: DataFrame, rules: Rules) -> DataFrame:
     """REJECTED rows for OPs never applied (invalid or late), for audit."""
-    bad = classified.where(F.col("outcome").isin(INVALID, LATE))
+    bad = classified.where(F.col("outcome").isin(OpOutcome.INVALID, OpOutcome.LATE))
     return conform(bad.select(F.lit("_sys/op").alias("source_table"),
                               F.col("op_offset").alias("row_offset"),
                               "transaction_id", "producer_group",
@@ -307,7 +293,7 @@ def op_rejections(classified: DataFrame, rules: Rules) -> DataFrame:
 def winners(classified: DataFrame) -> DataFrame:
     """The winning OPs: the message each decides (its keys: the OP matched
     them) and the decision."""
-    return classified.where(F.col("outcome") == WIN).select(
+    return classified.where(F.col("outcome") == OpOutcome.WIN).select(
         "half_offset", "transaction_id", "producer_group", "topic", "queue_id",
         "action", "source", "op_offset", "commit_version",
         F.col("store_ms").alias("op_store_ms"), "discarded")
@@ -322,7 +308,7 @@ def queue_positions(won: DataFrame, queues: DataFrame) -> DataFrame:
     base = queues.select("topic", "queue_id", "next_queue_offset")
     order = Window.partitionBy("topic", "queue_id").orderBy("commit_version", "op_offset")
     # only what the ordering and the fate need: every row goes through a sort
-    return (won.where(F.col("action") == "COMMIT")
+    return (won.where(F.col("action") == Action.COMMIT)
             .select("half_offset", "topic", "queue_id", "commit_version", "op_offset",
                     "op_store_ms")
             .join(base, ["topic", "queue_id"], "left")
@@ -343,7 +329,7 @@ def queue_ends(won: DataFrame, queues: DataFrame) -> DataFrame:
     (a grouping of the winners, not a sort of them).
     """
     base = queues.select("topic", "queue_id", "next_queue_offset")
-    return (won.where(F.col("action") == "COMMIT")
+    return (won.where(F.col("action") == Action.COMMIT)
             .groupBy("topic", "queue_id").agg(F.count(F.lit(1)).alias("delivered"))
             .join(base, ["topic", "queue_id"], "left")
             .select("topic", "queue_id", "delivered",
@@ -413,7 +399,7 @@ def apply_answers(pending: DataFrame, answers: DataFrame) -> DataFrame:
     """Count check answers without a decision (UNKNOWN/ERROR) towards the
     `answered` budget: one per request_id, only for the message's own group
     and transaction."""
-    undecided = (answers.where(F.col("answer").isin(*UNDECIDED_ANSWERS))
+    undecided = (answers.where(F.col("answer").isin(*CheckAnswer))
                  .groupBy("half_offset", "transaction_id", "producer_group")
                  .agg(F.countDistinct("request_id").alias("_answered")))
     return (pending.join(undecided, ["half_offset", "transaction_id", "producer_group"], "left")
@@ -441,20 +427,20 @@ def decide(pending: DataFrame, rules: Rules) -> DataFrame:
                      | (F.lit(rules.now_ms) - F.col("last_check_ms")
                         >= F.lit(rules.check_interval_ms)))
     due = (F.col("age_ms") > immunity_ms(rules)) & interval_over
-    decision = (F.when(F.col("age_ms") > F.lit(rules.reserved_ms), F.lit(EXPIRED))
-                .when(due & (counted >= F.lit(rules.check_max)), F.lit(MAX_CHECKS))
-                .when(due, F.lit(CHECK))
-                .otherwise(F.lit(WAIT)))
+    decision = (F.when(F.col("age_ms") > F.lit(rules.reserved_ms), F.lit(Decision.EXPIRED))
+                .when(due & (counted >= F.lit(rules.check_max)), F.lit(Decision.MAX_CHECKS))
+                .when(due, F.lit(Decision.CHECK))
+                .otherwise(F.lit(Decision.WAIT)))
     flagged = pending.withColumn("age_ms", age_ms(rules)).withColumn("decision", decision)
     if rules.max_checks_per_run <= 0:
         return flagged
-    chosen = (flagged.where(F.col("decision") == CHECK)
+    chosen = (flagged.where(F.col("decision") == Decision.CHECK)
               .select("half_offset", "store_ms")
               .orderBy("store_ms", "half_offset").limit(rules.max_checks_per_run)
               .select("half_offset", F.lit(True).alias("_chosen")))
     return (flagged.join(chosen, "half_offset", "left")
-            .withColumn("decision", F.when((F.col("decision") == CHECK)
-                                           & F.col("_chosen").isNull(), F.lit(WAIT))
+            .withColumn("decision", F.when((F.col("decision") == Decision.CHECK)
+                                           & F.col("_chosen").isNull(), F.lit(Decision.WAIT))
                         .otherwise(F.col("decision")))
             .drop("_chosen"))
 
@@ -478,7 +464,7 @@ def due_at_ms(rules: Rules, last_check_ms: Column | None = None) -> Column:
 
 
 def discards(decided: DataFrame, rules: Rules) -> DataFrame:
-    rows = (decided.where(F.col("decision").isin(EXPIRED, MAX_CHECKS))
+    rows = (decided.where(F.col("decision").isin(Decision.EXPIRED, Decision.MAX_CHECKS))
             .withColumn("check_times", F.col("checks_sent"))
             .withColumn("reason", F.col("decision"))
             .withColumn("discarded_ms", F.lit(rules.now_ms))
@@ -488,7 +474,7 @@ def discards(decided: DataFrame, rules: Rules) -> DataFrame:
 
 def check_requests(decided: DataFrame, rules: Rules) -> DataFrame:
     """One request per message checked; request_id is stable across redos of the run."""
-    rows = (decided.where(F.col("decision") == CHECK)
+    rows = (decided.where(F.col("decision") == Decision.CHECK)
             .withColumn("request_id", F.concat(F.lit(rules.run_id + "-"),
                                                F.col("half_offset").cast("string")))
             .withColumn("run_id", F.lit(rules.run_id))
@@ -499,15 +485,15 @@ def check_requests(decided: DataFrame, rules: Rules) -> DataFrame:
 
 def last_check_after(rules: Rules) -> Column:
     """A decided row's last_check_ms once this run is done: now if it is checked."""
-    return (F.when(F.col("decision") == CHECK, F.lit(rules.now_ms))
+    return (F.when(F.col("decision") == Decision.CHECK, F.lit(rules.now_ms))
             .otherwise(F.col("last_check_ms")))
 
 
 def still_pending(decided: DataFrame, rules: Rules) -> DataFrame:
     """The CHECK and WAIT rows of `decided` as the next run will see them
     (a check counted), with whatever columns `decided` has."""
-    checked = F.col("decision") == CHECK
-    return (decided.where(F.col("decision").isin(CHECK, WAIT))
+    checked = F.col("decision") == Decision.CHECK
+    return (decided.where(F.col("decision").isin(Decision.CHECK, Decision.WAIT))
             .withColumn("checks_sent", F.when(checked, F.col("checks_sent") + 1)
                         .otherwise(F.col("checks_sent")))
             .withColumn("last_check_ms", last_check_after(rules))

@@ -45,13 +45,11 @@ from schemas import (CHECK_REQUESTS, DISCARD, HALF, OP, PENDING, QUEUES, REJECTE
                      RUNS, TOPIC, TableSchema, table_path, topic_path)
 from schemas.spark import spark_schema
 from txn_core.config import as_config
+from txn_core.vocabulary import (SYSTEM_TOPIC_REGEX, TOPIC_PATTERN, Action, Decision,
+                                 RunStatus, Source)
 
-ACTIONS = ("COMMIT", "ROLLBACK")
-SOURCES = ("PRODUCER", "CHECK", "ADMIN")
 # RocketMQ's topic rule and system names (SPEC §3 item 9): a half row breaking
 # them did not come from the broker core and is set aside by the job.
-TOPIC_PATTERN = r"^[A-Za-z0-9_%|\-]{1,127}$"
-SYSTEM_TOPIC_PREFIXES = ("_sys", "RMQ_SYS_", "rmq_sys_", "SCHEDULE_TOPIC_", "TBW102")
 # The message's content as the half row has it; a topic, pending or discard row
 # must carry it unchanged (I3).
 CONTENT = ("transaction_id", "msg_id", "producer_group", "queue_id", "tags", "keys", "body",
@@ -190,12 +188,12 @@ def _committed_runs(spark: SparkSession, warehouse: str):
     by_number: dict[int, dict] = {}
     for row in rows:
         seen = by_number.get(row["run_number"])
-        if seen is None or row["status"] == "COMMITTED":
+        if seen is None or row["status"] == RunStatus.COMMITTED:
             by_number[row["run_number"]] = row
     committed = [by_number[n] for n in sorted(by_number)
-                 if by_number[n]["status"] == "COMMITTED"]
+                 if by_number[n]["status"] == RunStatus.COMMITTED]
     last = max(by_number) if by_number else None
-    incomplete = by_number[last] if last is not None and by_number[last]["status"] != "COMMITTED" \
+    incomplete = by_number[last] if last is not None and by_number[last]["status"] != RunStatus.COMMITTED \
         else None
     return committed, incomplete
 
@@ -386,13 +384,13 @@ def _discard_differences(discard_dated: DataFrame, per_half_discard: DataFrame,
     judged = F.col("e_row").isNotNull()
     age = F.greatest(F.col("f_run_now_ms") - F.col("store_ms"), F.lit(0))
     requests_n = F.coalesce(F.col("n_requests"), F.lit(0))
-    bad_expired = (F.col("f_reason") == "EXPIRED") & F.col("f_reserved_ms").isNotNull() \
+    bad_expired = (F.col("f_reason") == Decision.EXPIRED) & F.col("f_reserved_ms").isNotNull() \
         & (age <= F.col("f_reserved_ms"))
-    bad_max = (F.col("f_reason") == "MAX_CHECKS") & F.col("f_check_max").isNotNull() & (
+    bad_max = (F.col("f_reason") == Decision.MAX_CHECKS) & F.col("f_check_max").isNotNull() & (
         (F.col("f_check_times") != requests_n)
         | ((F.col("f_check_budget") == "sent") & (F.col("f_check_times") != F.col("f_check_max")))
         | (F.col("f_check_times") < F.col("f_check_max")))
-    bad_reason = ~F.col("f_reason").isin("EXPIRED", "MAX_CHECKS")
+    bad_reason = ~F.col("f_reason").isin(Decision.EXPIRED, Decision.MAX_CHECKS)
     return [
         _diff(discard_dated.where(unknown_run), "discard_by_unknown_run", DISCARD.path,
               "run_id of a committed run", F.col("run_id")),
@@ -491,8 +489,8 @@ def _expected(judged: DataFrame, winners: DataFrame, per_half_discard: DataFrame
     fate = (judged.join(winners, "half_offset", "left")
             .join(per_half_discard.select("half_offset", "n_discards"), "half_offset", "left")
             .withColumn("fate", F.when(F.col("bad_half"), F.lit(REJECTED_FATE))
-                        .when(F.col("w_action") == "COMMIT", F.lit(DELIVERED))
-                        .when(F.col("w_action") == "ROLLBACK", F.lit(ROLLED_BACK))
+                        .when(F.col("w_action") == Action.COMMIT, F.lit(DELIVERED))
+                        .when(F.col("w_action") == Action.ROLLBACK, F.lit(ROLLED_BACK))
                         .when(F.col("n_discards") > 0, F.lit(DISCARDED))
                         .otherwise(F.lit(PENDING_FATE))))
     found_at = delivered_rows.groupBy("half_offset").agg(F.min("queue_offset").alias("found_at"))
@@ -576,9 +574,7 @@ def verify(spark: SparkSession, config) -> VerifyReport:
     delivered_rows = delivered_rows.cache()
 
     # Halves: the rows the broker core would not have written are set aside.
-    system = F.lit(False)
-    for prefix in SYSTEM_TOPIC_PREFIXES:
-        system = system | F.col("topic").startswith(prefix)
+    system = F.col("topic").rlike(SYSTEM_TOPIC_REGEX)
     halves = (half.dropDuplicates(["half_offset"])
               .withColumn("bad_half", (~F.col("topic").rlike(TOPIC_PATTERN)) | system
                           | (F.col("queue_id") < 0))
@@ -605,9 +601,9 @@ def verify(spark: SparkSession, config) -> VerifyReport:
     valid = (F.col("h_txn").isNotNull() & (F.col("half_cv") <= F.col("run_half_version"))
              & ~F.col("bad_half") & (F.col("transaction_id") == F.col("h_txn"))
              & (F.col("producer_group") == F.col("h_group"))
-             & F.col("action").isin(*ACTIONS) & F.col("source").isin(*SOURCES))
+             & F.col("action").isin(*Action) & F.col("source").isin(*Source))
     late = F.col("d_op_version").isNotNull() & (F.col("cv") > F.col("d_op_version")) \
-        & (F.col("source") != "ADMIN")
+        & (F.col("source") != Source.ADMIN)
     ops = (o.withColumn("valid", F.coalesce(valid, F.lit(False)))
            .withColumn("late", F.col("valid") & F.coalesce(late, F.lit(False)))
            .withColumn("eligible", F.col("valid") & ~F.col("late"))).cache()

@@ -9,6 +9,7 @@ import factories as fx
 from jobs import transforms as T
 from schemas import CHECK_ANSWERS, DISCARD, HALF, OP, PENDING, QUEUES, RESOLVED, TOPIC
 from schemas.spark import spark_schema
+from txn_core.vocabulary import Decision, OpOutcome
 
 NOW = 1_000_000
 
@@ -47,7 +48,7 @@ def decisions(spark, r: T.Rules, *rows: dict) -> dict[int, str]:
 def test_age_equal_to_immunity_is_immune_and_one_ms_more_is_checked(spark):
     r = rules()
     got = decisions(spark, r, fx.half(1, store_ms=NOW - 6000), fx.half(2, store_ms=NOW - 6001))
-    assert got == {1: T.WAIT, 2: T.CHECK}
+    assert got == {1: Decision.WAIT, 2: Decision.CHECK}
 
 
 def test_per_message_immunity_overrides_the_default_and_negative_means_default(spark):
@@ -58,14 +59,14 @@ def test_per_message_immunity_overrides_the_default_and_negative_means_default(s
                     fx.half(3, store_ms=NOW - 1, check_immunity_s=0),         # no floor
                     fx.half(4, store_ms=NOW - 6000, check_immunity_s=-1),     # default 6 s: immune
                     fx.half(5, store_ms=NOW - 5000, check_immunity_s=None))
-    assert got == {1: T.WAIT, 2: T.CHECK, 3: T.CHECK, 4: T.WAIT, 5: T.WAIT}
+    assert got == {1: Decision.WAIT, 2: Decision.CHECK, 3: Decision.CHECK, 4: Decision.WAIT, 5: Decision.WAIT}
 
 
 def test_message_stored_in_the_future_has_age_zero(spark):
     r = rules(transaction_timeout_ms=0)
     df = T.decide(pending_df(spark, fx.half(1, store_ms=NOW + 50_000)), r)
     row = df.select("age_ms", "decision").first()
-    assert (row["age_ms"], row["decision"]) == (0, T.WAIT)
+    assert (row["age_ms"], row["decision"]) == (0, Decision.WAIT)
 
 
 def test_check_interval_is_respected(spark):
@@ -74,14 +75,14 @@ def test_check_interval_is_respected(spark):
     got = decisions(spark, r,
                     fx.half(1, store_ms=old, checks_sent=1, last_check_ms=NOW - 29_999),
                     fx.half(2, store_ms=old, checks_sent=1, last_check_ms=NOW - 30_000))
-    assert got == {1: T.WAIT, 2: T.CHECK}
+    assert got == {1: Decision.WAIT, 2: Decision.CHECK}
 
 
 def test_expire_after_reserved_hours_without_check(spark):
     r = rules(reserved_ms=3_600_000)
     got = decisions(spark, r, fx.half(1, store_ms=NOW - 3_600_000),
                     fx.half(2, store_ms=NOW - 3_600_001))
-    assert got == {1: T.CHECK, 2: T.EXPIRED}
+    assert got == {1: Decision.CHECK, 2: Decision.EXPIRED}
     out = T.discards(T.decide(pending_df(spark, fx.half(2, store_ms=NOW - 3_600_001,
                                                         checks_sent=3)), r), r)
     row = out.first()
@@ -95,7 +96,7 @@ def test_max_checks_per_run_takes_the_oldest_first(spark):
                     fx.half(11, store_ms=NOW - 90_000), fx.half(12, store_ms=NOW - 70_000),
                     fx.half(9, store_ms=NOW - 70_000))
     # 11 is oldest; 9 and 12 tie on store_ms and half_offset breaks the tie
-    assert got == {11: T.CHECK, 9: T.CHECK, 12: T.WAIT, 10: T.WAIT}
+    assert got == {11: Decision.CHECK, 9: Decision.CHECK, 12: Decision.WAIT, 10: Decision.WAIT}
 
 
 # --- check_max in both budget modes --------------------------------------------------------
@@ -109,11 +110,11 @@ def _simulate_checks(spark, budget: str, answer_each_check: bool) -> tuple[int, 
         r = rules(now_ms=i * 30_000, check_budget=budget, run_id=f"run-{i}", run_number=i)
         decided = T.decide(pend, r).cache()
         kind = decided.select("decision").first()["decision"]
-        if kind == T.MAX_CHECKS:
+        if kind == Decision.MAX_CHECKS:
             discarded = T.discards(decided, r).first()
             assert discarded["check_times"] == requests
             return requests, discarded["reason"]
-        assert kind == T.CHECK
+        assert kind == Decision.CHECK
         req = T.check_requests(decided, r).first()
         requests += 1
         assert req["check_times"] == requests
@@ -139,7 +140,7 @@ def test_answered_budget_is_not_burnt_by_unanswered_checks(spark):
     r = rules(check_budget="answered", check_max=2)
     got = decisions(spark, r, fx.half(1, store_ms=0, checks_sent=5, checks_undecided=1),
                     fx.half(2, store_ms=0, checks_sent=2, checks_undecided=2))
-    assert got == {1: T.CHECK, 2: T.MAX_CHECKS}
+    assert got == {1: Decision.CHECK, 2: Decision.MAX_CHECKS}
 
 
 def test_answers_of_another_group_or_transaction_do_not_count(spark):
@@ -171,7 +172,7 @@ def test_first_valid_op_in_commit_order_wins_not_lowest_op_offset(spark):
     got = _outcomes(spark, [h], [(fx.op(h, "ROLLBACK", op_offset=5), 3),
                                  (fx.op(h, "COMMIT", op_offset=900), 2),
                                  (fx.op(h, "COMMIT", op_offset=901), 2)])
-    assert got == {900: (T.WIN, None), 901: (T.DUPLICATE, None), 5: (T.CONFLICT, None)}
+    assert got == {900: (OpOutcome.WIN, None), 901: (OpOutcome.DUPLICATE, None), 5: (OpOutcome.CONFLICT, None)}
 
 
 def test_invalid_ops_are_counted_and_a_later_valid_op_wins(spark):
@@ -183,10 +184,10 @@ def test_invalid_ops_are_counted_and_a_later_valid_op_wins(spark):
         (fx.op(h, op_offset=4, source="SOMEONE"), 1),
         (fx.op(fx.half(99), op_offset=5), 1),
         (fx.op(h, op_offset=6), 2)])
-    assert got == {1: (T.INVALID, "producer_group mismatch"),
-                   2: (T.INVALID, "transaction_id mismatch"),
-                   3: (T.INVALID, "invalid action"), 4: (T.INVALID, "invalid source"),
-                   5: (T.INVALID, "unknown half_offset"), 6: (T.WIN, None)}
+    assert got == {1: (OpOutcome.INVALID, "producer_group mismatch"),
+                   2: (OpOutcome.INVALID, "transaction_id mismatch"),
+                   3: (OpOutcome.INVALID, "invalid action"), 4: (OpOutcome.INVALID, "invalid source"),
+                   5: (OpOutcome.INVALID, "unknown half_offset"), 6: (OpOutcome.WIN, None)}
 
 
 def test_only_the_live_messages_no_valid_op_decided_remain_pending(spark):
@@ -211,7 +212,7 @@ def test_an_op_row_written_twice_wins_once(spark):
     history = _history(spark, discarded=[_discarded(old)])
     classified = T.classify_ops(ops_df(spark, *twice), T.op_targets(live, history))
     assert sorted((r.half_offset, r.outcome) for r in classified.collect()) == [
-        (1, T.DUPLICATE), (1, T.WIN), (2, T.DUPLICATE), (2, T.WIN)]
+        (1, OpOutcome.DUPLICATE), (1, OpOutcome.WIN), (2, OpOutcome.DUPLICATE), (2, OpOutcome.WIN)]
 
 
 def test_live_messages_are_classified_alike_without_ranking_admin_ops(spark):
@@ -233,8 +234,8 @@ def test_live_messages_are_classified_alike_without_ranking_admin_ops(spark):
     full = T.classify_ops(ops, targets)
     assert_df_equality(lean, full, ignore_row_order=True, ignore_nullable=True)
     assert sorted((r.op_offset, r.outcome) for r in lean.collect()) == [
-        (1, T.CONFLICT), (3, T.WIN), (4, T.INVALID), (5, T.DUPLICATE), (5, T.WIN),
-        (6, T.DUPLICATE), (7, T.INVALID), (8, T.WIN), (9, T.CONFLICT), (10, T.INVALID)]
+        (1, OpOutcome.CONFLICT), (3, OpOutcome.WIN), (4, OpOutcome.INVALID), (5, OpOutcome.DUPLICATE), (5, OpOutcome.WIN),
+        (6, OpOutcome.DUPLICATE), (7, OpOutcome.INVALID), (8, OpOutcome.WIN), (9, OpOutcome.CONFLICT), (10, OpOutcome.INVALID)]
 
 
 def _history(spark, resolved=(), discarded=()):
@@ -259,7 +260,7 @@ def test_ops_for_messages_resolved_earlier_are_duplicates_or_conflicts(spark):
     got = _outcomes(spark, [], [(fx.op(h, "ROLLBACK", op_offset=1), 4),
                                 (fx.op(h, "COMMIT", op_offset=2), 4)],
                     history=_history(spark, resolved=[_resolved(h, "ROLLBACK")]))
-    assert got == {1: (T.DUPLICATE, None), 2: (T.CONFLICT, None)}
+    assert got == {1: (OpOutcome.DUPLICATE, None), 2: (OpOutcome.CONFLICT, None)}
 
 
 def test_after_discard_producer_and_check_ops_are_late_admin_wins(spark):
@@ -269,8 +270,8 @@ def test_after_discard_producer_and_check_ops_are_late_admin_wins(spark):
                                 (fx.op(h, "ROLLBACK", op_offset=3, source="ADMIN"), 5),
                                 (fx.op(h, "COMMIT", op_offset=4, source="ADMIN"), 6)],
                     history=_history(spark, discarded=[_discarded(h)]))
-    assert got == {1: (T.LATE, "message discarded"), 2: (T.LATE, "message discarded"),
-                   3: (T.WIN, None), 4: (T.CONFLICT, None)}
+    assert got == {1: (OpOutcome.LATE, "message discarded"), 2: (OpOutcome.LATE, "message discarded"),
+                   3: (OpOutcome.WIN, None), 4: (OpOutcome.CONFLICT, None)}
 
 
 def test_after_admin_override_of_a_discard_producer_ops_stay_late(spark):
@@ -279,7 +280,7 @@ def test_after_admin_override_of_a_discard_producer_ops_stay_late(spark):
                                 (fx.op(h, "COMMIT", op_offset=2, source="ADMIN"), 4)],
                     history=_history(spark, resolved=[_resolved(h, "COMMIT", True)],
                                      discarded=[_discarded(h)]))
-    assert got == {1: (T.LATE, "message discarded"), 2: (T.DUPLICATE, None)}
+    assert got == {1: (OpOutcome.LATE, "message discarded"), 2: (OpOutcome.DUPLICATE, None)}
 
 
 def test_ops_naming_no_live_message_are_classified_again_against_the_history(spark):
@@ -293,10 +294,10 @@ def test_ops_naming_no_live_message_are_classified_again_against_the_history(spa
 
     def outcomes(classified):
         return sorted((r.op_offset, r.outcome, r.reason) for r in classified.collect())
-    assert outcomes(first)[1:] == [(2, T.INVALID, T.UNKNOWN_OFFSET),
-                                   (3, T.INVALID, T.UNKNOWN_OFFSET)]
+    assert outcomes(first)[1:] == [(2, OpOutcome.INVALID, T.UNKNOWN_OFFSET),
+                                   (3, OpOutcome.INVALID, T.UNKNOWN_OFFSET)]
     assert outcomes(again) == outcomes(T.classify_ops(ops, T.op_targets(live, history))) == [
-        (1, T.WIN, None), (2, T.CONFLICT, None), (3, T.DUPLICATE, None)]
+        (1, OpOutcome.WIN, None), (2, OpOutcome.CONFLICT, None), (3, OpOutcome.DUPLICATE, None)]
 
 
 # --- deliveries ------------------------------------------------------------------------
@@ -375,6 +376,29 @@ def test_rejected_halves_are_set_aside_with_a_reason(spark):
     assert_df_equality(got, expected, ignore_row_order=True, ignore_nullable=True)
 
 
+def test_the_job_reserves_exactly_the_topics_the_broker_core_refuses(spark):
+    """One system-topic rule for both engines: a topic the broker core accepts
+    is never set aside by the job (SCHEDULE_TOPIC_ORDERS once was)."""
+    from txn_core.message import validate_topic
+    from txn_core.errors import MessageValidationError
+    topics = ["ORDER", "SCHEDULE_TOPIC_ORDERS", "TBW102x", "sys_orders", "TBW102",
+              "SCHEDULE_TOPIC_XXXX", "BenchmarkTest", "RMQ_SYS_TRACE_TOPIC", "rmq_sys_x",
+              "RmQ_SyS_x", "_sys", "_SYS_half", "_system"]
+
+    def refused(topic: str) -> bool:
+        try:
+            validate_topic(topic)
+            return False
+        except MessageValidationError:
+            return True
+
+    rows = [fx.half(i, topic=t) for i, t in enumerate(topics)]
+    _, rejected = T.split_halves(halves_df(spark, *rows), rules())
+    set_aside = {topics[r["row_offset"]] for r in rejected.collect()}
+    assert set_aside == {t for t in topics if refused(t)}
+    assert "SCHEDULE_TOPIC_ORDERS" not in set_aside and "RmQ_SyS_x" in set_aside
+
+
 def test_next_pending_counts_the_check_and_keeps_waiting_messages(spark):
     r = rules()
     decided = T.decide(pending_df(spark, fx.half(1, store_ms=0, checks_sent=2, checks_undecided=1,
@@ -405,6 +429,6 @@ def test_due_at_is_the_first_clock_at_which_decide_stops_waiting(spark):
     for offset, at in due.items():
         row = [x for x in rows if x["half_offset"] == offset]
         assert decisions(spark, rules(reserved_ms=100_000, now_ms=at - 1), *row) == \
-            {offset: T.WAIT}
+            {offset: Decision.WAIT}
         assert decisions(spark, rules(reserved_ms=100_000, now_ms=at), *row) != \
-            {offset: T.WAIT}
+            {offset: Decision.WAIT}

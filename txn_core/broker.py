@@ -1,5 +1,5 @@
 """The broker core: durable half and OP rows on Delta tables, without a JVM
-(delta-rs, and on a local disk plain blind appends: `txn_core.local_append`).
+(delta-rs, and on a local disk plain blind appends: `txn_core.blind_append`).
 
 A Broker is one process's handle on a warehouse. It owns one group-commit
 writer per producer table and an offset epoch; producers (any number, any
@@ -28,11 +28,10 @@ from txn_core.message import Message, validate_group
 from txn_core.offsets import OffsetAllocator, register_epoch
 from txn_core.storage import Storage, options_for, storage_for, use
 from txn_core.tables import ensure_broker_tables
+from txn_core.vocabulary import Action, Source
 
 log = logging.getLogger(__name__)
 
-ACTIONS = ("COMMIT", "ROLLBACK")
-SOURCES = ("PRODUCER", "CHECK", "ADMIN")
 
 
 def wall_clock_ms() -> int:
@@ -162,10 +161,12 @@ class Broker:
         remarks = [remarks] * n if remarks is None or isinstance(remarks, str) else list(remarks)
         if len(transaction_ids) != n or len(actions) != n or len(remarks) != n:
             raise ValueError("store_ops needs one transaction id, action and remark per offset")
-        if not set(actions) <= set(ACTIONS):
-            raise ValueError(f"action must be one of {ACTIONS}, got {sorted(set(actions))}")
-        if source not in SOURCES:
-            raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+        if not set(actions) <= set(Action):
+            raise ValueError(f"action must be one of {[str(a) for a in Action]}, "
+                             f"got {sorted(set(actions))}")
+        if source not in set(Source):
+            raise ValueError(f"source must be one of {[str(s) for s in Source]}, "
+                             f"got {source!r}")
         offsets = self._offsets.take(n)
         self._op.submit({
             "op_offset": offsets,
@@ -191,7 +192,7 @@ class Broker:
             raise ValueError("commit must be True (commit) or False (rollback)")
         half = self.find_half(transaction_id)
         return self.store_ops([half["half_offset"]], [transaction_id], half["producer_group"],
-                              "COMMIT" if commit else "ROLLBACK", "ADMIN", remark)[0]
+                              Action.COMMIT if commit else Action.ROLLBACK, Source.ADMIN, remark)[0]
 
     def find_half(self, transaction_id: str) -> dict:
         """The half row of `transaction_id` (a full scan: for operators, not hot paths)."""
@@ -233,7 +234,7 @@ class Broker:
 
     @property
     def committers(self) -> dict[str, str]:
-        """Per producer table, how its commits are made: "local append" on a
+        """Per producer table, how its commits are made: "blind append" on a
         local disk, "delta-rs" on an object store (`GroupCommitWriter.committer`)."""
         if not isinstance(self._half, GroupCommitWriter):
             return {HALF.path: "delta-rs", OP.path: "delta-rs"}

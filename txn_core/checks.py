@@ -23,6 +23,7 @@ from schemas import CHECK_ANSWERS, CHECK_REQUESTS
 from schemas.arrow import arrow_schema
 from txn_core.message import LocalTransactionState, Message
 from txn_core.tables import open_existing
+from txn_core.vocabulary import Source
 
 if TYPE_CHECKING:
     from txn_core.broker import Broker
@@ -121,7 +122,7 @@ class CheckAnswerer:
             # pending and the job checks it again later — nothing is lost.
             self._broker.store_ops([req["half_offset"] for req, _, _ in ops],
                                    [req["transaction_id"] for req, _, _ in ops], self._group,
-                                   [action for _, action, _ in ops], "CHECK",
+                                   [action for _, action, _ in ops], Source.CHECK,
                                    [f"check {rid}" for _, _, rid in ops])
         return len(won)
 

@@ -13,9 +13,9 @@ threads at once cost the writer ~1.5 ms of futex calls under the GIL, and the
 woken herd then queued for the GIL ahead of the writer's next batch; chained,
 the writer goes straight on, and only the next sender is woken while one runs.
 
-On a local disk the writer commits with `LocalAppender`, a blind append
-without delta-rs' per-commit cost (13-34 ms of CPU for a small append here,
-against 1.5 ms); elsewhere, or for a table it may not write, with delta-rs.
+On a local disk and on S3 the writer commits with `BlindAppender`, a blind
+append without delta-rs' per-commit cost; elsewhere, or for a table it may
+not write, with delta-rs.
 Checkpoints, compaction of the small file every commit makes, and log
 clean-up happen beside the writer, in `WriterUpkeep`'s thread, so that no
 sender waits for them.
@@ -36,7 +36,7 @@ from deltalake import (ColumnProperties, CommitProperties, DeltaTable,
                        PostCommitHookProperties, WriterProperties, write_deltalake)
 
 from txn_core.errors import BrokerClosedError, PersistError
-from txn_core.local_append import LocalAppender, TableChanged, unsupported_reason
+from txn_core.blind_append import BlindAppender, TableChanged, unsupported_reason
 from txn_core.log_trim import trimmed_past
 from txn_core.writer_upkeep import (COMPACT_EVERY, LOG_CLEANUP_EVERY, SMALL_FILE_BYTES,
                                     WriterUpkeep)
@@ -103,7 +103,7 @@ class GroupCommitWriter:
     `WriterUpkeep` (`upkeep`), `storage_options` to its handle.
     `stats()` tells where the writer's time goes (`WriterStats`).
 
-    On a local disk the writer commits with `LocalAppender` and reports the
+    On a local disk or S3 the writer commits with `BlindAppender` and reports the
     checkpoints the table's interval calls for to the upkeep; elsewhere, or for
     a table the appender may not write, it commits with delta-rs, whose hook
     checkpoints.
@@ -124,10 +124,11 @@ class GroupCommitWriter:
         self._max_rows = max_rows
         self._writer_properties = plain_encoding(plain_columns)
         self._appender = None
-        reason = unsupported_reason(table, schema)
+        reason = unsupported_reason(table, schema, storage_options)
         if reason is None:
-            self._appender = LocalAppender(table, schema, dictionary_columns=[
-                n for n in schema.names if n not in plain_columns])
+            self._appender = BlindAppender(table, schema, dictionary_columns=[
+                n for n in schema.names if n not in plain_columns],
+                storage_options=storage_options)
         else:
             log.info("%s: committing with delta-rs (%s)", name, reason)
         self.upkeep = WriterUpkeep(table.table_uri, name=name, storage_options=storage_options,
@@ -156,9 +157,9 @@ class GroupCommitWriter:
 
     @property
     def committer(self) -> str:
-        """How commits are made now: "local append" (the blind-append fast
-        path, local disks only) or "delta-rs" (everywhere else)."""
-        return "local append" if self._appender is not None else "delta-rs"
+        """How commits are made now: "blind append" (the fast path, on a
+        local disk or S3) or "delta-rs" (everywhere else)."""
+        return "blind append" if self._appender is not None else "delta-rs"
 
     def stats(self) -> WriterStats:
         s = dict(self._seconds)

@@ -7,18 +7,11 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from txn_core.errors import MessageValidationError
+from txn_core.vocabulary import TOPIC_MAX_LEN, Action, is_system_topic
 
 # RocketMQ's Validators: topic and group names.
 _NAME_RE = re.compile(r"^[%|a-zA-Z0-9_-]+$")
-TOPIC_MAX_LEN = 127
 GROUP_MAX_LEN = 255
-# Topics RocketMQ reserves for itself (TopicValidator.SYSTEM_TOPIC_SET and prefixes).
-_SYSTEM_TOPICS = frozenset({
-    "TBW102", "SCHEDULE_TOPIC_XXXX", "BenchmarkTest", "RMQ_SYS_TRANS_HALF_TOPIC",
-    "RMQ_SYS_TRANS_OP_HALF_TOPIC", "TRANS_CHECK_MAX_TIME_TOPIC", "SELF_TEST_TOPIC",
-    "OFFSET_MOVED_EVENT", "RMQ_SYS_TRACE_TOPIC",
-})
-_SYSTEM_PREFIXES = ("rmq_sys_", "_sys")
 _SYSTEM_GROUP_PREFIXES = ("cid_rmq_sys_", "_sys")
 # RocketMQ joins properties with \x01 between name and value and \x02 between
 # pairs; refusing them keeps our properties portable to RocketMQ.
@@ -36,9 +29,10 @@ class LocalTransactionState(str, enum.Enum):
     UNKNOW = "UNKNOWN"
 
     @property
-    def action(self) -> str | None:
+    def action(self) -> Action | None:
         """The OP action this state writes (None for UNKNOWN: nothing is written)."""
-        return {"COMMIT_MESSAGE": "COMMIT", "ROLLBACK_MESSAGE": "ROLLBACK"}.get(self.value)
+        return {"COMMIT_MESSAGE": Action.COMMIT,
+                "ROLLBACK_MESSAGE": Action.ROLLBACK}.get(self.value)
 
 
 @dataclass
@@ -87,8 +81,7 @@ def _validate_name(value: object, field_name: str, max_len: int, kind: str,
 
 
 def validate_topic(topic: object, field_name: str = "topic") -> str:
-    system = isinstance(topic, str) and (topic in _SYSTEM_TOPICS
-                                         or topic.lower().startswith(_SYSTEM_PREFIXES))
+    system = isinstance(topic, str) and is_system_topic(topic)
     return _validate_name(topic, field_name, TOPIC_MAX_LEN, "topic", system)
 
 

@@ -255,16 +255,22 @@ def use(storage: Storage, *, check: bool = True) -> Storage:
     return storage
 
 
-def storage_for(uri: str) -> Storage:
-    """The registered storage of the warehouse holding `uri`, else one with
-    the default settings (AWS S3 for an S3 URI)."""
+def registered(uri: str) -> Storage | None:
+    """The registered storage of the warehouse holding `uri`, if any."""
     key = _canonical(uri)
     with _lock:
         matches = [s for w, s in _registered.items() if key == w or key.startswith(w + "/")]
-    if matches:
-        return max(matches, key=lambda s: len(s.warehouse))
+    return max(matches, key=lambda s: len(s.warehouse)) if matches else None
+
+
+def storage_for(uri: str) -> Storage:
+    """The registered storage of the warehouse holding `uri`, else one with
+    the default settings (AWS S3 for an S3 URI)."""
+    found = registered(uri)
+    if found is not None:
+        return found
     if is_s3(uri):
-        bucket = key.split("://", 1)[1].split("/", 1)[0]
+        bucket = _canonical(uri).split("://", 1)[1].split("/", 1)[0]
         return Storage(warehouse="s3a://" + bucket)
     return Storage(warehouse=uri)
 

@@ -16,7 +16,7 @@ Clean-up drops log entries past the table's logRetentionDuration, as
 delta-rs' post-commit hook would (the writer turns that hook off: it lists the
 whole log after every commit), and those behind `log_floor`
 (`txn_core.log_trim`). Checkpoints are written when the writer reports one due
-(its own commits bypass delta-rs' hook, `txn_core.local_append`).
+(its own commits bypass delta-rs' hook, `txn_core.blind_append`).
 """
 from __future__ import annotations
 

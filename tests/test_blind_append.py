@@ -1,4 +1,4 @@
-"""Blind appends without delta-rs' commit path (txn_core.local_append): the
+"""Blind appends without delta-rs' commit path (txn_core.blind_append): the
 table they leave must be the one delta-rs would have left, shareable with
 delta-rs writers and other appenders."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from schemas import HALF, OP, table_path
 from schemas.arrow import arrow_schema
 from txn_core import PersistError
 from txn_core.group_commit import GroupCommitWriter, to_arrow
-from txn_core.local_append import LocalAppender, TableChanged, unsupported_reason
+from txn_core.blind_append import BlindAppender, TableChanged, unsupported_reason
 from txn_core.tables import open_or_create
 
 from test_group_commit import STORE_MS, op_rows
@@ -50,7 +50,7 @@ def test_an_append_reads_back_as_if_delta_rs_had_written_it(tmp_path):
     ours = open_or_create(str(tmp_path / "ours"), HALF)
     theirs = open_or_create(str(tmp_path / "theirs"), HALF)
     rows = half_rows(list(range(7)))
-    assert LocalAppender(ours, arrow_schema(HALF)).append(rows) == 1
+    assert BlindAppender(ours, arrow_schema(HALF)).append(rows) == 1
     write_deltalake(theirs, rows, mode="append")
 
     ours, theirs = DeltaTable(ours.table_uri), DeltaTable(theirs.table_uri)
@@ -73,7 +73,7 @@ def test_an_append_reads_back_as_if_delta_rs_had_written_it(tmp_path):
 def test_appenders_and_delta_rs_writers_share_a_table(warehouse):
     table = open_or_create(warehouse, OP)
     path, schema = table_path(warehouse, OP), arrow_schema(OP)
-    first, second = LocalAppender(table, schema), LocalAppender(DeltaTable(path), schema)
+    first, second = BlindAppender(table, schema), BlindAppender(DeltaTable(path), schema)
 
     def rows(o: int) -> pa.Table:
         return to_arrow(schema, op_rows([o]), "store_ms", STORE_MS)
@@ -84,7 +84,7 @@ def test_appenders_and_delta_rs_writers_share_a_table(warehouse):
     assert versions == [1, 2, 4, 5]
 
     def send(offsets: range) -> None:  # racing from threads, each with its own appender
-        mine = LocalAppender(DeltaTable(path), schema)
+        mine = BlindAppender(DeltaTable(path), schema)
         for o in offsets:
             mine.append(rows(o))
 
@@ -109,7 +109,7 @@ def test_nulls_in_a_not_null_column_are_refused_and_nothing_is_written(warehouse
         schema=schema)
     before = sorted(os.listdir(table_path(warehouse, OP)))
     with pytest.raises(ValueError, match=r"NOT NULL column\(s\) \['transaction_id'\]"):
-        LocalAppender(table, schema).append(rows)
+        BlindAppender(table, schema).append(rows)
     assert sorted(os.listdir(table_path(warehouse, OP))) == before
     assert DeltaTable(table_path(warehouse, OP)).version() == 0
 
@@ -117,7 +117,7 @@ def test_nulls_in_a_not_null_column_are_refused_and_nothing_is_written(warehouse
 def test_a_protocol_or_metadata_change_stops_the_appender_and_delta_rs_takes_over(warehouse):
     table = open_or_create(warehouse, OP)
     path, schema = table_path(warehouse, OP), arrow_schema(OP)
-    stale = LocalAppender(table, schema)
+    stale = BlindAppender(table, schema)
     assert stale.append(to_arrow(schema, op_rows([1]), "store_ms", STORE_MS)) == 1
     writer = GroupCommitWriter(DeltaTable(path), schema, name=OP.path,
                                clock=lambda: STORE_MS)
@@ -142,7 +142,109 @@ def test_tables_it_cannot_write_are_named_with_the_reason(tmp_path):
                     partition_by=["action"])
     assert "partitioned by ['action']" in unsupported_reason(DeltaTable(partitioned), schema)
     with pytest.raises(ValueError, match="cannot append to .*partitioned"):
-        LocalAppender(DeltaTable(partitioned), schema)
+        BlindAppender(DeltaTable(partitioned), schema)
     other = open_or_create(str(tmp_path / "half"), HALF)
     assert unsupported_reason(other, schema) == "the table's schema differs from the rows'"
     assert unsupported_reason(other, arrow_schema(HALF)) is None
+
+
+# --- on S3 (MinIO on loopback) ---------------------------------------------------------
+
+def _s3_table(s3, schema_of=OP):
+    from txn_core.config import load_config
+    from txn_core.storage import Storage, use
+    storage = use(Storage.from_config(load_config(env={}, **s3.config())))
+    table = open_or_create(storage.warehouse, schema_of, storage_options=storage.delta_rs_options())
+    return table, storage.delta_rs_options()
+
+
+def test_on_s3_appenders_and_delta_rs_writers_share_a_table(s3):
+    table, options = _s3_table(s3)
+    schema = arrow_schema(OP)
+    assert unsupported_reason(table, schema, options) is None
+
+    def rows(o: int) -> pa.Table:
+        return to_arrow(schema, op_rows([o]), "store_ms", STORE_MS)
+
+    def handle() -> DeltaTable:
+        return DeltaTable(table.table_uri, storage_options=options)
+
+    first, second = BlindAppender(table, schema), BlindAppender(handle(), schema)
+    versions = [first.append(rows(0)), second.append(rows(1))]  # second lost version 1
+    write_deltalake(handle(), rows(2), mode="append")
+    versions += [first.append(rows(3)), second.append(rows(4))]
+    assert versions == [1, 2, 4, 5]
+
+    def send(offsets: range) -> None:
+        mine = BlindAppender(handle(), schema)
+        for o in offsets:
+            mine.append(rows(o))
+
+    threads = [threading.Thread(target=send, args=(range(10 + 5 * t, 15 + 5 * t),))
+               for t in range(3)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    final = handle()
+    assert final.version() == 20  # no version lost, none taken twice
+    assert sorted(final.to_pyarrow_table()["op_offset"].to_pylist()) == \
+        [0, 1, 2, 3, 4] + list(range(10, 25))
+    feed = pa.table(final.load_cdf(starting_version=1)).to_pylist()
+    assert sorted(r["op_offset"] for r in feed if r["_change_type"] == "insert") == \
+        [0, 1, 2, 3, 4] + list(range(10, 25))
+
+
+def test_on_s3_a_put_whose_answer_was_lost_is_recognised_as_ours(s3, monkeypatch):
+    table, options = _s3_table(s3)
+    schema = arrow_schema(OP)
+    appender = BlindAppender(table, schema)
+    store = appender._store
+    real_put = type(store).put_entry
+
+    def put_then_lose_the_answer(self, version, staged):
+        assert real_put(self, version, staged)
+        return False  # as a retry would see: 412, the key exists
+
+    monkeypatch.setattr(type(store), "put_entry", put_then_lose_the_answer)
+    assert appender.append(to_arrow(schema, op_rows([7]), "store_ms", STORE_MS)) == 1
+    monkeypatch.undo()
+    assert appender.append(to_arrow(schema, op_rows([8]), "store_ms", STORE_MS)) == 2
+    final = DeltaTable(table.table_uri, storage_options=options)
+    assert sorted(final.to_pyarrow_table()["op_offset"].to_pylist()) == [7, 8]
+
+
+def test_on_s3_an_appender_idle_past_a_cleaned_log_moves_past_its_checkpoint(s3, monkeypatch):
+    """A handle left at an old version while others committed, checkpointed
+    and cleaned the log would otherwise put a version that had existed."""
+    import txn_core.blind_append as blind_append
+    table, options = _s3_table(s3)
+    schema = arrow_schema(OP)
+    stale = BlindAppender(table, schema)  # knows version 0
+
+    other = DeltaTable(table.table_uri, storage_options=options)
+    for o in range(1, 4):
+        write_deltalake(other, to_arrow(schema, op_rows([o]), "store_ms", STORE_MS),
+                        mode="append")
+    other.create_checkpoint()  # at version 3
+    store = stale._store
+    for version in (0, 1, 2):  # what a log clean-up past the retention would do
+        store.remove_entry(version)
+    monkeypatch.setattr(blind_append, "IDLE_RECHECK_S", 0.0)
+    assert stale.append(to_arrow(schema, op_rows([9]), "store_ms", STORE_MS)) == 4
+    final = DeltaTable(table.table_uri, storage_options=options)
+    assert sorted(final.to_pyarrow_table()["op_offset"].to_pylist()) == [1, 2, 3, 9]
+
+
+def test_other_stores_and_unopened_warehouses_fall_back_to_delta_rs(s3, tmp_path):
+    table, options = _s3_table(s3)
+    schema = arrow_schema(OP)
+    other_settings = {**options, "AWS_REGION": "eu-west-1"}
+    assert unsupported_reason(table, schema, other_settings) == \
+        "its storage options are not its warehouse's settings"
+    unopened = DeltaTable(table.table_uri, storage_options=options)
+    from txn_core import storage
+    saved = dict(storage._registered)
+    storage._registered.clear()
+    try:
+        assert "was not opened" in unsupported_reason(unopened, schema, options)
+    finally:
+        storage._registered.update(saved)

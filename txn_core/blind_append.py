@@ -1,0 +1,441 @@
+"""Blind appends to a Delta table, without delta-rs' per-commit cost.
+
+A group-commit writer is latency-bound (a send waits for two commits), and a
+delta-rs append costs far more than the file and the log entry it writes: on
+a local disk it plans the write through DataFusion and re-reads the table's
+file list; on S3 it lists the log before and after, and reads its own entry
+back twice (six requests where two do). `BlindAppender` writes exactly a blind
+append of the Delta protocol: one parquet file, then one log entry holding
+`commitInfo` and the file's `add` action, committed with the primitive
+delta-rs itself uses (a hard link on a local disk, a put-if-absent on S3), so
+appenders, delta-rs writers (compactions, other processes) and delta-spark
+readers share the table. Figures: docs/performance.md.
+
+A lost race moves on to the next version after reading the winner's entry: a
+blind append conflicts only with a change of protocol or metadata, after
+which the table is checked again (`TableChanged` when it may no longer be
+written). Tables whose protocol asks more of a writer are refused
+(`unsupported_reason`), and the caller uses delta-rs. Checkpoints stay with
+delta-rs: `checkpoint_due(version)` says when the table asks for one.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+import uuid
+from typing import Protocol
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from deltalake import DeltaTable
+
+from txn_core.log_trim import checkpoint_versions, local_dir
+from txn_core.storage import is_s3, registered, storage_for
+
+ENGINE_INFO = "lakehouse-txn blind append"
+#: writer features whose duties a blind append of plain columns meets by
+#: itself (appendOnly: it only adds; invariants: NOT NULL is checked below and
+#: column invariants are refused; changeDataFeed: inserts need no CDC files)
+_APPEND_SAFE_FEATURES = {"appendOnly", "invariants", "changeDataFeed"}
+_FIELD_DUTIES = ("delta.invariants", "delta.generationExpression", "delta.identity",
+                 "delta.columnMapping")
+#: on S3, an appender idle longer than this checks that the version it took
+#: was never taken before (log clean-up deletes only entries days old)
+IDLE_RECHECK_S = 60.0
+
+
+class TableChanged(RuntimeError):
+    """The table's protocol or metadata changed so that this appender may no
+    longer write it; the caller goes on with delta-rs."""
+
+
+def unsupported_reason(table: DeltaTable, schema: pa.Schema,
+                       storage_options: dict[str, str] | None = None) -> str | None:
+    """Why the appender may not write `table` with rows of `schema`, or None.
+    On S3 the appender reaches the table with the settings of its registered
+    warehouse, so delta-rs `storage_options` of other settings are refused."""
+    if local_dir(table) is None:
+        if not is_s3(table.table_uri):
+            return f"{table.table_uri} is neither on a local filesystem nor on S3"
+        storage = registered(table.table_uri)
+        if storage is None:
+            return f"the warehouse of {table.table_uri} was not opened (txn_core.storage.use)"
+        if storage_options is not None and storage_options != storage.delta_rs_options():
+            return "its storage options are not its warehouse's settings"
+    protocol = table.protocol()
+    if protocol.min_reader_version > 1 or protocol.reader_features:
+        return f"reader protocol {protocol.min_reader_version} {protocol.reader_features or ''}"
+    if protocol.min_writer_version > 4 and not (
+            protocol.min_writer_version == 7
+            and set(protocol.writer_features or ()) <= _APPEND_SAFE_FEATURES):
+        return (f"writer protocol {protocol.min_writer_version} with features "
+                f"{sorted(protocol.writer_features or ())}")
+    metadata = table.metadata()
+    if metadata.partition_columns:
+        return f"partitioned by {metadata.partition_columns}"
+    duties = sorted(k for k in metadata.configuration
+                    if k.startswith("delta.constraints.") or k == "delta.columnMapping.mode")
+    if duties:
+        return f"table properties {duties}"
+    delta_schema = table.schema()
+    for field in delta_schema.fields:
+        if any(k.startswith(_FIELD_DUTIES) for k in field.metadata):
+            return f"column {field.name!r} has {sorted(field.metadata)}"
+    if not pa.schema(delta_schema.to_arrow()).equals(schema, check_metadata=False):
+        return "the table's schema differs from the rows'"
+    for field in schema:
+        if not (_has_stats(field.type) or pa.types.is_binary(field.type)
+                or pa.types.is_map(field.type)):
+            return f"column {field.name!r} is {field.type}, whose statistics it does not write"
+    return None
+
+
+def _has_stats(type_: pa.DataType) -> bool:
+    """The column types whose statistics the appender writes as delta-rs does:
+    null count, and min/max (full values) when there is a non-null value.
+    delta-rs writes none for binary and map columns."""
+    return pa.types.is_integer(type_) or pa.types.is_string(type_)
+
+
+class BlindAppender:
+    """Appends Arrow tables to one Delta table (local or S3); one thread at a time.
+
+    >>> appender = BlindAppender(DeltaTable(path), schema)      # doctest: +SKIP
+    >>> appender.append(rows)                                   # doctest: +SKIP
+    42
+
+    `dictionary_columns`: the columns whose parquet pages may use dictionary
+    encoding (the others are written plain). Raises ValueError when the table
+    is not one it may write (`unsupported_reason`).
+    """
+
+    def __init__(self, table: DeltaTable, schema: pa.Schema, *,
+                 dictionary_columns: list[str] | None = None,
+                 storage_options: dict[str, str] | None = None):
+        reason = unsupported_reason(table, schema, storage_options)
+        if reason is not None:
+            raise ValueError(f"cannot append to {table.table_uri} directly: {reason}")
+        self._table = table
+        self._schema = schema
+        self._dictionary = dictionary_columns if dictionary_columns is not None else True
+        root = local_dir(table)
+        self._store: _Store = _LocalStore(root) if root is not None else _S3Store(table.table_uri)
+        self._required = [f.name for f in schema if not f.nullable]
+        self._with_stats = [f.name for f in schema if _has_stats(f.type)]
+        self._checkpoint_interval = _checkpoint_interval(table)
+        self._next = table.version() + 1
+        self._known_at = time.monotonic()  # when `_next - 1` was last seen in the log
+        # File names: unique across processes by the appender's id, within it
+        # by a counter (a uuid4 per file would be one more system call).
+        self._id = uuid.uuid4()
+        self._files = itertools.count()
+
+    def append(self, rows: pa.Table) -> int:
+        """Commit `rows` as one new file; returns the table version that adds it.
+
+        Raises ValueError (nothing written) for rows of another schema or with
+        nulls in a NOT NULL column, TableChanged when a concurrent commit made
+        the table one this appender may not write (the file is removed), and
+        OSError (or the S3 client's error) when the store refuses the file or
+        the log entry.
+        """
+        self._check(rows)
+        seq = next(self._files)
+        name = f"part-{seq:05d}-{self._id}-c000.snappy.parquet"
+        sink = pa.BufferOutputStream()
+        pq.write_table(rows, sink, compression="snappy", use_dictionary=self._dictionary)
+        data = sink.getvalue()
+        self._store.write_file(name, data)
+        try:
+            entry = self._entry(rows, name, data.size)
+            return self._commit(entry, seq)
+        except BaseException:
+            self._store.remove(name)  # never referenced by a committed entry
+            raise
+
+    def checkpoint_due(self, version: int) -> bool:
+        """Whether the table's checkpointInterval asks for a checkpoint at
+        `version`; at the versions delta-rs' own hook picks (4, 9, … for 5)."""
+        return (version + 1) % self._checkpoint_interval == 0
+
+    # --- steps ---------------------------------------------------------------------
+
+    def _check(self, rows: pa.Table) -> None:
+        if not rows.schema.equals(self._schema, check_metadata=False):
+            raise ValueError(f"rows of schema {rows.schema} do not fit {self._table.table_uri}")
+        nulls = [n for n in self._required if rows.column(n).null_count]
+        if nulls:
+            raise ValueError(f"NOT NULL column(s) {nulls} of {self._table.table_uri} "
+                             f"hold nulls")
+
+    def _entry(self, rows: pa.Table, name: str, size: int) -> bytes:
+        """The log entry of the commit: commitInfo and the file's add action,
+        with the statistics readers skip files by. They must be complete:
+        delta-rs' pyarrow dataset reads a missing min/max as a null bound and
+        skips the file for any filter on that column."""
+        stats: dict = {"numRecords": rows.num_rows, "minValues": {}, "maxValues": {},
+                       "nullCount": {n: rows.column(n).null_count for n in self._with_stats}}
+        for n in self._with_stats:
+            # Python's order of str is code point order, which is the UTF-8
+            # byte order Delta's string statistics use.
+            values = [v for v in rows.column(n).to_pylist() if v is not None]
+            if values:
+                stats["minValues"][n] = min(values)
+                stats["maxValues"][n] = max(values)
+        now_ms = time.time_ns() // 1_000_000
+        commit_info = {"timestamp": now_ms, "operation": "WRITE",
+                       "operationParameters": {"mode": "Append"}, "isBlindAppend": True,
+                       "engineInfo": ENGINE_INFO, "clientVersion": ENGINE_INFO}
+        add = {"path": name, "partitionValues": {}, "size": size,
+               "modificationTime": now_ms, "dataChange": True,
+               "stats": json.dumps(stats, separators=(",", ":"))}
+        return (json.dumps({"commitInfo": commit_info}) + "\n"
+                + json.dumps({"add": add}) + "\n").encode()
+
+    def _commit(self, entry: bytes, seq: int) -> int:
+        """Put the entry at the first free version from `_next` on."""
+        staged = self._store.stage(entry, f"{self._id}_{seq}")
+        try:
+            while True:
+                version = self._next
+                if not self._store.put_entry(version, staged):
+                    winner = self._store.read_entry(version)
+                    if winner == entry:  # ours: a retried put whose answer was lost
+                        return self._committed(version)
+                    self._next = version + 1
+                    self._after_lost_race(winner)
+                    continue
+                if self._behind_a_checkpoint(version):
+                    # Our handle fell behind while others committed past a
+                    # checkpoint and the log was cleaned behind it: this version
+                    # had existed. No reader looks below that checkpoint; move on,
+                    # checking the table (the versions jumped over were not read
+                    # one by one as lost races are).
+                    self._store.remove_entry(version)
+                    self._revalidate()
+                    continue
+                return self._committed(version)
+        finally:
+            self._store.unstage(staged)
+
+    def _committed(self, version: int) -> int:
+        self._next = version + 1
+        self._known_at = time.monotonic()
+        return version
+
+    def _after_lost_race(self, winner: bytes | None) -> None:
+        """A blind append conflicts with nothing but a protocol or metadata change."""
+        if winner is None:  # cleaned up meanwhile: it was old, nothing to learn
+            return
+        if any({"metaData", "protocol"} & json.loads(line).keys()
+               for line in winner.splitlines() if line.strip()):
+            self._revalidate()
+
+    def _revalidate(self) -> None:
+        """Check the table as it is now, as at construction."""
+        self._table.update_incremental()
+        reason = unsupported_reason(self._table, self._schema)
+        if reason is not None:
+            raise TableChanged(f"{self._table.table_uri} changed: {reason}")
+        self._checkpoint_interval = _checkpoint_interval(self._table)
+
+    def _behind_a_checkpoint(self, version: int) -> bool:
+        """Whether `version` lies below a checkpoint (so it existed and was
+        cleaned up); if so, `_next` moves past the newest checkpoint. Versions
+        are contiguous and removed oldest first, so a present predecessor
+        proves `version` new. On S3 the proof is asked for only after an idle
+        spell: clean-up removes entries days old, never one just seen."""
+        if self._store.remote and time.monotonic() - self._known_at < IDLE_RECHECK_S:
+            return False
+        if version == 0 or self._store.entry_exists(version - 1):
+            return False
+        newest = self._store.newest_checkpoint()
+        if newest is None or newest < version:
+            return False
+        self._next = max(self._next, newest + 1)
+        return True
+
+
+def _checkpoint_interval(table: DeltaTable) -> int:
+    return int(table.metadata().configuration.get("delta.checkpointInterval", "100"))
+
+
+def entry_name(version: int) -> str:
+    """The name of a version's log entry in `_delta_log/`."""
+    return f"{version:020d}.json"
+
+
+class _Store(Protocol):
+    """Where a table's files and log entries are written."""
+
+    remote: bool
+
+    def write_file(self, name: str, data) -> None: ...
+    def remove(self, name: str) -> None: ...
+    def stage(self, entry: bytes, tag: str): ...
+    def unstage(self, staged) -> None: ...
+    def put_entry(self, version: int, staged) -> bool: ...
+    def read_entry(self, version: int) -> bytes | None: ...
+    def remove_entry(self, version: int) -> None: ...
+    def entry_exists(self, version: int) -> bool: ...
+    def newest_checkpoint(self) -> int | None: ...
+
+
+class _LocalStore:
+    """A table on a local disk. Every system call releases the GIL, and under a
+    few hundred sender threads taking it back costs a fraction of a
+    millisecond: as few calls as can be (no stat, raw os calls)."""
+
+    remote = False
+
+    def __init__(self, root: str):
+        self._root = root
+        self._log = os.path.join(root, "_delta_log")
+
+    def write_file(self, name: str, data) -> None:
+        _write_new_file(os.path.join(self._root, name), data)
+
+    def remove(self, name: str) -> None:
+        _remove_quietly(os.path.join(self._root, name))
+
+    def stage(self, entry: bytes, tag: str) -> str:
+        staged = os.path.join(self._log, f"_commit_{tag}.json.tmp")
+        _write_new_file(staged, entry)
+        return staged
+
+    def unstage(self, staged: str) -> None:
+        _remove_quietly(staged)
+
+    def put_entry(self, version: int, staged: str) -> bool:
+        # A hard link fails if the version exists: delta-rs' own primitive here.
+        try:
+            os.link(staged, os.path.join(self._log, entry_name(version)))
+            return True
+        except FileExistsError:
+            return False
+
+    def read_entry(self, version: int) -> bytes | None:
+        try:
+            with open(os.path.join(self._log, entry_name(version)), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def remove_entry(self, version: int) -> None:
+        _remove_quietly(os.path.join(self._log, entry_name(version)))
+
+    def entry_exists(self, version: int) -> bool:
+        return os.path.exists(os.path.join(self._log, entry_name(version)))
+
+    def newest_checkpoint(self) -> int | None:
+        return max(checkpoint_versions(os.listdir(self._log)), default=None)
+
+
+class _S3Store:
+    """A table on S3, through the warehouse's boto3 client; the log entry with
+    `If-None-Match: *`, which the store was checked to enforce when the
+    warehouse was opened (`txn_core.storage`)."""
+
+    remote = True
+
+    def __init__(self, uri: str):
+        bucket, _, prefix = uri.split("://", 1)[1].partition("/")
+        self._bucket, self._prefix = bucket, prefix.rstrip("/")
+        self._client = storage_for(uri).s3_client()
+
+    def _key(self, name: str) -> str:
+        return f"{self._prefix}/{name}" if self._prefix else name
+
+    def _entry_key(self, version: int) -> str:
+        return self._key(f"_delta_log/{entry_name(version)}")
+
+    def write_file(self, name: str, data) -> None:
+        self._client.put_object(Bucket=self._bucket, Key=self._key(name), Body=data.to_pybytes()
+                                if hasattr(data, "to_pybytes") else data)
+
+    def remove(self, name: str) -> None:
+        self._delete(self._key(name))
+
+    def stage(self, entry: bytes, tag: str) -> bytes:
+        return entry
+
+    def unstage(self, staged: bytes) -> None:
+        pass
+
+    def put_entry(self, version: int, staged: bytes) -> bool:
+        from botocore.exceptions import ClientError
+        while True:
+            try:
+                self._client.put_object(Bucket=self._bucket, Key=self._entry_key(version),
+                                        Body=staged, IfNoneMatch="*")
+                return True
+            except ClientError as exc:
+                status = _status(exc)
+                if status == 412:
+                    return False
+                if status != 409:  # 409: a concurrent put of the same key; ask again
+                    raise
+
+    def read_entry(self, version: int) -> bytes | None:
+        from botocore.exceptions import ClientError
+        try:
+            return self._client.get_object(Bucket=self._bucket,
+                                           Key=self._entry_key(version))["Body"].read()
+        except ClientError as exc:
+            if _status(exc) == 404:
+                return None
+            raise
+
+    def remove_entry(self, version: int) -> None:
+        self._delete(self._entry_key(version))
+
+    def entry_exists(self, version: int) -> bool:
+        from botocore.exceptions import ClientError
+        try:
+            self._client.head_object(Bucket=self._bucket, Key=self._entry_key(version))
+            return True
+        except ClientError as exc:
+            if _status(exc) == 404:
+                return False
+            raise
+
+    def newest_checkpoint(self) -> int | None:
+        """From `_last_checkpoint`, which every checkpoint writer updates (a
+        listing of the log would read every entry's name)."""
+        from botocore.exceptions import ClientError
+        try:
+            body = self._client.get_object(
+                Bucket=self._bucket, Key=self._key("_delta_log/_last_checkpoint"))["Body"].read()
+        except ClientError as exc:
+            if _status(exc) == 404:
+                return None
+            raise
+        return int(json.loads(body)["version"])
+
+    def _delete(self, key: str) -> None:
+        from botocore.exceptions import ClientError
+        try:
+            self._client.delete_object(Bucket=self._bucket, Key=key)
+        except ClientError:
+            pass  # an unreferenced file: vacuum removes it later
+
+
+def _status(exc) -> int | None:
+    return exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+
+
+def _write_new_file(path: str, data) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass

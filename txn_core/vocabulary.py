@@ -1,0 +1,93 @@
+"""The protocol's words, defined once for the broker core, the job and `verify`.
+
+Every value here is stored in a table column (docs/protocol.md §2), so the
+members are `str` enums: they compare equal to the strings in the rows, and
+format as them in SQL and f-strings.
+"""
+from __future__ import annotations
+
+import enum
+import re
+
+__all__ = ["Action", "CheckAnswer", "Decision", "OpOutcome", "RunStatus", "Source",
+           "SYSTEM_TOPIC_REGEX", "TOPIC_MAX_LEN", "TOPIC_PATTERN", "is_system_topic"]
+
+
+class Action(enum.StrEnum):
+    """What an OP row does to its half message."""
+
+    COMMIT = "COMMIT"
+    ROLLBACK = "ROLLBACK"
+
+
+class Source(enum.StrEnum):
+    """Who wrote an OP row: the producer after its local transaction, a
+    producer answering a back-check, or an operator (`Broker.resolve`)."""
+
+    PRODUCER = "PRODUCER"
+    CHECK = "CHECK"
+    ADMIN = "ADMIN"
+
+
+class CheckAnswer(enum.StrEnum):
+    """A producer's answer to a back-check (`_sys/check_answers.answer`);
+    COMMIT and ROLLBACK answers are written as OPs instead."""
+
+    UNKNOWN = "UNKNOWN"
+    ERROR = "ERROR"
+
+
+class OpOutcome(enum.StrEnum):
+    """What a run makes of an OP row: the first valid OP of a message wins;
+    a later one agreeing with it is a duplicate, disagreeing a conflict; one
+    naming no known message, or malformed, is invalid; one arriving after
+    its message was discarded is late."""
+
+    WIN = "WIN"
+    DUPLICATE = "DUPLICATE"
+    CONFLICT = "CONFLICT"
+    INVALID = "INVALID"
+    LATE = "LATE"
+
+
+class Decision(enum.StrEnum):
+    """What a run decides for a pending message no OP decided: discard it
+    (too old, or checked too often), check it now, or wait."""
+
+    EXPIRED = "EXPIRED"
+    MAX_CHECKS = "MAX_CHECKS"
+    CHECK = "CHECK"
+    WAIT = "WAIT"
+
+
+class RunStatus(enum.StrEnum):
+    """A `_sys/runs` row: a run's intent, written before its outputs, or its
+    record once they are all committed."""
+
+    STARTED = "STARTED"
+    COMMITTED = "COMMITTED"
+
+
+#: RocketMQ's topic rule (TopicValidator): 1..127 of [A-Za-z0-9_%|-]
+TOPIC_MAX_LEN = 127
+TOPIC_PATTERN = r"^[A-Za-z0-9_%|\-]{1,127}$"
+#: topics RocketMQ reserves (TopicValidator.SYSTEM_TOPIC_SET), and the prefixes
+#: reserved in any case: RocketMQ's and our own tables'
+_SYSTEM_TOPICS = ("TBW102", "SCHEDULE_TOPIC_XXXX", "BenchmarkTest", "RMQ_SYS_TRANS_HALF_TOPIC",
+                  "RMQ_SYS_TRANS_OP_HALF_TOPIC", "TRANS_CHECK_MAX_TIME_TOPIC",
+                  "SELF_TEST_TOPIC", "OFFSET_MOVED_EVENT", "RMQ_SYS_TRACE_TOPIC")
+_SYSTEM_PREFIXES = ("rmq_sys_", "_sys")
+#: the system-topic rule as one regular expression that Python's `re` and
+#: Spark's `rlike` (Java's regex) read alike, so both engines apply one rule
+SYSTEM_TOPIC_REGEX = (f"^(?:{'|'.join(map(re.escape, _SYSTEM_TOPICS))})$"
+                      f"|^(?i:{'|'.join(map(re.escape, _SYSTEM_PREFIXES))})")
+_SYSTEM_TOPIC = re.compile(SYSTEM_TOPIC_REGEX)
+
+
+def is_system_topic(topic: str) -> bool:
+    """Whether `topic` is reserved: no message may be sent to it.
+
+    >>> is_system_topic("RMQ_SYS_TRANS_HALF_TOPIC"), is_system_topic("ORDER")
+    (True, False)
+    """
+    return _SYSTEM_TOPIC.search(topic) is not None
