@@ -37,19 +37,17 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType
 from jobs.local import local_frame
 from schemas import TableSchema
 from schemas.spark import spark_schema
-from txn_core.log_trim import local_path
+from txn_core.delta_log import LOG_DIR, entry_name, local_path, plain_reader, reader_duties
 from txn_core.storage import is_s3, options_for, storage_for
 
 _FILE_VERSIONS = StructType([StructField("_file", StringType(), False),
                              StructField("commit_version", LongType(), False)])
-#: table properties under which a data file's rows are not the table's rows as written
-_READER_PROPERTIES = ("delta.columnMapping.mode",)
 #: log entries fetched at once from an object store
 _PARALLEL_GETS = 16
 
 
 def log_entry(root: str, version: int) -> str:
-    return os.path.join(root, "_delta_log", f"{version:020d}.json")
+    return os.path.join(root, LOG_DIR, entry_name(version))
 
 
 def appended_files(path: str, after: int, upto: int) -> list[tuple[int, str]] | None:
@@ -102,7 +100,7 @@ def _log_entries(path: str, versions: range) -> list[tuple[int, list[dict]]] | N
     def get(version: int) -> bytes | None:
         try:
             return client.get_object(Bucket=storage.bucket,
-                                     Key=f"{prefix}/_delta_log/{version:020d}.json")["Body"].read()
+                                     Key=f"{prefix}/{LOG_DIR}/{entry_name(version)}")["Body"].read()
         except client.exceptions.NoSuchKey:
             return None
 
@@ -134,19 +132,13 @@ def _plain(action: dict) -> bool:
     if "metaData" in action:
         meta = action["metaData"]
         config = meta.get("configuration") or {}
-        return not meta.get("partitionColumns") and all(
-            config.get(k, "none") == "none" for k in _READER_PROPERTIES)
+        return (not meta.get("partitionColumns")
+                and config.get("delta.columnMapping.mode", "none") == "none")
     if "protocol" in action:
         protocol = action["protocol"]
-        return _plain_reader(protocol.get("minReaderVersion", 1),
-                             protocol.get("readerFeatures"))
+        return plain_reader(protocol.get("minReaderVersion", 1),
+                            protocol.get("readerFeatures"))
     return True
-
-
-def _plain_reader(min_reader_version: int, reader_features) -> bool:
-    """Whether a reader of this protocol reads data files as they are."""
-    return min_reader_version == 1 or (
-        min_reader_version == 3 and set(reader_features or ()) <= {"timestampNtz"})
 
 
 def snapshot_files(path: str, version: int) -> list[str] | None:
@@ -171,13 +163,8 @@ def _rs_table(path: str, version: int):
 
 def plain_table(table) -> bool:
     """Whether the delta-rs `table` (at its loaded version) has its rows in
-    its data files as written (what commits before the range set up, e.g.
-    column mapping)."""
-    protocol, metadata = table.protocol(), table.metadata()
-    return (_plain_reader(protocol.min_reader_version, protocol.reader_features)
-            and not metadata.partition_columns
-            and all(metadata.configuration.get(k, "none") == "none"
-                    for k in _READER_PROPERTIES))
+    its data files as written (`txn_core.delta_log.reader_duties`)."""
+    return reader_duties(table) is None
 
 
 def read_appended(spark: SparkSession, files: list[tuple[int, str]],

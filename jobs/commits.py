@@ -33,16 +33,13 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
-from jobs import appends
 from schemas import DISTINCT_COLUMNS
-from txn_core.log_trim import local_path
+from txn_core.delta_log import file_stats, local_path, reader_duties, writer_duties
 
 #: where Spark writes a commit's files before they move into the table; a
 #: crash can leave one behind (hidden from Delta by its leading `_`), and
 #: the next write to the table removes it (one writer at a time: the lease)
 STAGING_PREFIX = "_txn_staging-"
-#: writer features whose commits this module writes as Delta's writer would
-_WRITER_FEATURES = {"appendOnly", "invariants", "changeDataFeed"}
 #: Delta's defaults, for tables that do not set them
 DEFAULT_INDEXED_COLUMNS = 32
 DEFAULT_CHECKPOINT_INTERVAL = 10
@@ -62,28 +59,12 @@ def committable(path: str, df: DataFrame):
         table = RsTable(path)
     except TableNotFoundError:
         return None
-    if not (appends.plain_table(table) and _plain_writer(table)):
+    if reader_duties(table) is not None or writer_duties(table) is not None:
         return None
     schema = table_schema(table)
     same_columns = ([(f.name, f.dataType.simpleString()) for f in schema.fields]
                     == [(f.name, f.dataType.simpleString()) for f in df.schema.fields])
     return table if same_columns else None
-
-
-def _plain_writer(table) -> bool:
-    protocol, metadata = table.protocol(), table.metadata()
-    features_ok = (protocol.min_writer_version <= 4
-                   or (protocol.min_writer_version == 7
-                       and set(protocol.writer_features or ()) <= _WRITER_FEATURES))
-    enforced = (any(k.startswith("delta.constraints.") for k in metadata.configuration)
-                or any(k in f.get("metadata", {}) for f in _field_json(table)
-                       for k in ("delta.generationExpression", "delta.invariants",
-                                 "delta.identity.start")))
-    return features_ok and not enforced
-
-
-def _field_json(table) -> list[dict]:
-    return json.loads(table.schema().to_json())["fields"]
 
 
 def table_schema(table) -> StructType:
@@ -269,44 +250,8 @@ def _add_action(root: str, name: str, indexed: list[str]):
                 os.remove(leftover)
         return None
     info = os.stat(full)
-    stats = file_stats(metadata, indexed)
+    stats = file_stats(metadata, indexed, string_prefix=STRING_PREFIX)
     return AddAction(name, info.st_size, {}, int(info.st_mtime * 1000), True, json.dumps(stats))
-
-
-def file_stats(metadata, indexed: list[str]) -> dict:
-    """Delta file statistics of a parquet file from its footer: the row count,
-    and for each indexed top-level column its null count and, for integers
-    and strings, min and max (a string's min cut to STRING_PREFIX characters,
-    still a lower bound; a longer max is left out, as it would not be an
-    upper bound once cut). A column whose footer lacks a statistic gets
-    none: readers then keep the file, which is always right."""
-    stats = {"numRecords": metadata.num_rows, "minValues": {}, "maxValues": {},
-             "nullCount": {}}
-    schema = metadata.schema
-    wanted = set(indexed)
-    for i in range(metadata.num_columns):
-        column = schema.column(i)
-        if column.path not in wanted:  # nested leaves have dotted paths: never indexed here
-            continue
-        chunks = [metadata.row_group(g).column(i).statistics
-                  for g in range(metadata.num_row_groups)]
-        if any(s is None or not s.has_null_count for s in chunks):
-            continue
-        stats["nullCount"][column.path] = sum(s.null_count for s in chunks)
-        ordered = column.physical_type in ("INT32", "INT64") or (
-            column.physical_type == "BYTE_ARRAY" and str(column.logical_type) == "String")
-        with_values = [s for s in chunks if s.num_values > 0]
-        if not ordered or not with_values or not all(s.has_min_max for s in with_values):
-            continue
-        low, high = min(s.min for s in with_values), max(s.max for s in with_values)
-        if isinstance(low, str):
-            low = low[:STRING_PREFIX]
-            if len(high) > STRING_PREFIX:
-                high = None
-        stats["minValues"][column.path] = low
-        if high is not None:
-            stats["maxValues"][column.path] = high
-    return stats
 
 
 def _checkpoint_as_delta_does(table, version: int, config: dict) -> None:

@@ -27,6 +27,7 @@ from schemas import (CHECK_ANSWERS, CHECK_REQUESTS, DISCARD, HALF, OP, PENDING, 
                      REJECTED, RESOLVED, RUNS, TOPIC, TableSchema, table_path, topic_path)
 from schemas.arrow import arrow_schema
 from schemas.spark import spark_schema
+from txn_core.delta_log import LOG_DIR, entry_name
 from txn_core.storage import options_for
 from txn_core.vocabulary import RunStatus
 
@@ -128,7 +129,7 @@ def snapshot(spark: SparkSession, path: str, table: TableSchema, version: int) -
 def log_holds(spark: SparkSession, path: str, version: int) -> bool:
     """Whether the table's log still has the commit of `version` (Hadoop FS: any storage)."""
     jvm = spark.sparkContext._jvm
-    log_file = jvm.org.apache.hadoop.fs.Path(f"{path.rstrip('/')}/_delta_log/{version:020d}.json")
+    log_file = jvm.org.apache.hadoop.fs.Path(f"{path.rstrip('/')}/{LOG_DIR}/{entry_name(version)}")
     fs = log_file.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
     return fs.exists(log_file)
 

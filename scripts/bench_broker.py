@@ -171,7 +171,8 @@ def writer_figures(stats, elapsed: float) -> dict:
             "ms_per_commit": round(stats.ms_per_commit, 1),
             "in_commit": share(stats.commit_s), "building": share(stats.build_s),
             "idle": share(stats.idle_s),
-            "upkeep_beside_it": share(stats.upkeep_s)}
+            "upkeep_beside_it": share(stats.upkeep_s),
+            "upkeep_log_races_retried": stats.upkeep_retries}
 
 
 def run_batches(args, store: Store) -> dict:

@@ -31,16 +31,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
-from txn_core.log_trim import checkpoint_versions, local_dir
+from txn_core.delta_log import (LOG_DIR, checkpoint_versions, entry_name, file_stats,
+                                local_dir, reader_duties, writer_duties)
 from txn_core.storage import is_s3, registered, storage_for
 
 ENGINE_INFO = "lakehouse-txn blind append"
-#: writer features whose duties a blind append of plain columns meets by
-#: itself (appendOnly: it only adds; invariants: NOT NULL is checked below and
-#: column invariants are refused; changeDataFeed: inserts need no CDC files)
-_APPEND_SAFE_FEATURES = {"appendOnly", "invariants", "changeDataFeed"}
-_FIELD_DUTIES = ("delta.invariants", "delta.generationExpression", "delta.identity",
-                 "delta.columnMapping")
 #: on S3, an appender idle longer than this checks that the version it took
 #: was never taken before (log clean-up deletes only entries days old)
 IDLE_RECHECK_S = 60.0
@@ -64,26 +59,10 @@ def unsupported_reason(table: DeltaTable, schema: pa.Schema,
             return f"the warehouse of {table.table_uri} was not opened (txn_core.storage.use)"
         if storage_options is not None and storage_options != storage.delta_rs_options():
             return "its storage options are not its warehouse's settings"
-    protocol = table.protocol()
-    if protocol.min_reader_version > 1 or protocol.reader_features:
-        return f"reader protocol {protocol.min_reader_version} {protocol.reader_features or ''}"
-    if protocol.min_writer_version > 4 and not (
-            protocol.min_writer_version == 7
-            and set(protocol.writer_features or ()) <= _APPEND_SAFE_FEATURES):
-        return (f"writer protocol {protocol.min_writer_version} with features "
-                f"{sorted(protocol.writer_features or ())}")
-    metadata = table.metadata()
-    if metadata.partition_columns:
-        return f"partitioned by {metadata.partition_columns}"
-    duties = sorted(k for k in metadata.configuration
-                    if k.startswith("delta.constraints.") or k == "delta.columnMapping.mode")
-    if duties:
-        return f"table properties {duties}"
-    delta_schema = table.schema()
-    for field in delta_schema.fields:
-        if any(k.startswith(_FIELD_DUTIES) for k in field.metadata):
-            return f"column {field.name!r} has {sorted(field.metadata)}"
-    if not pa.schema(delta_schema.to_arrow()).equals(schema, check_metadata=False):
+    duties = reader_duties(table) or writer_duties(table)
+    if duties is not None:
+        return duties
+    if not pa.schema(table.schema().to_arrow()).equals(schema, check_metadata=False):
         return "the table's schema differs from the rows'"
     for field in schema:
         if not (_has_stats(field.type) or pa.types.is_binary(field.type)
@@ -149,7 +128,7 @@ class BlindAppender:
         data = sink.getvalue()
         self._store.write_file(name, data)
         try:
-            entry = self._entry(rows, name, data.size)
+            entry = self._entry(data, name)
             return self._commit(entry, seq)
         except BaseException:
             self._store.remove(name)  # never referenced by a committed entry
@@ -170,25 +149,18 @@ class BlindAppender:
             raise ValueError(f"NOT NULL column(s) {nulls} of {self._table.table_uri} "
                              f"hold nulls")
 
-    def _entry(self, rows: pa.Table, name: str, size: int) -> bytes:
+    def _entry(self, data: pa.Buffer, name: str) -> bytes:
         """The log entry of the commit: commitInfo and the file's add action,
-        with the statistics readers skip files by. They must be complete:
-        delta-rs' pyarrow dataset reads a missing min/max as a null bound and
-        skips the file for any filter on that column."""
-        stats: dict = {"numRecords": rows.num_rows, "minValues": {}, "maxValues": {},
-                       "nullCount": {n: rows.column(n).null_count for n in self._with_stats}}
-        for n in self._with_stats:
-            # Python's order of str is code point order, which is the UTF-8
-            # byte order Delta's string statistics use.
-            values = [v for v in rows.column(n).to_pylist() if v is not None]
-            if values:
-                stats["minValues"][n] = min(values)
-                stats["maxValues"][n] = max(values)
+        with the statistics readers skip files by, whole values as delta-rs
+        writes them. They must be complete: delta-rs' pyarrow dataset reads a
+        missing min/max as a null bound and skips the file for any filter on
+        that column."""
+        stats = file_stats(pq.read_metadata(pa.BufferReader(data)), self._with_stats)
         now_ms = time.time_ns() // 1_000_000
         commit_info = {"timestamp": now_ms, "operation": "WRITE",
                        "operationParameters": {"mode": "Append"}, "isBlindAppend": True,
                        "engineInfo": ENGINE_INFO, "clientVersion": ENGINE_INFO}
-        add = {"path": name, "partitionValues": {}, "size": size,
+        add = {"path": name, "partitionValues": {}, "size": data.size,
                "modificationTime": now_ms, "dataChange": True,
                "stats": json.dumps(stats, separators=(",", ":"))}
         return (json.dumps({"commitInfo": commit_info}) + "\n"
@@ -262,11 +234,6 @@ def _checkpoint_interval(table: DeltaTable) -> int:
     return int(table.metadata().configuration.get("delta.checkpointInterval", "100"))
 
 
-def entry_name(version: int) -> str:
-    """The name of a version's log entry in `_delta_log/`."""
-    return f"{version:020d}.json"
-
-
 class _Store(Protocol):
     """Where a table's files and log entries are written."""
 
@@ -292,7 +259,7 @@ class _LocalStore:
 
     def __init__(self, root: str):
         self._root = root
-        self._log = os.path.join(root, "_delta_log")
+        self._log = os.path.join(root, LOG_DIR)
 
     def write_file(self, name: str, data) -> None:
         _write_new_file(os.path.join(self._root, name), data)
@@ -349,7 +316,7 @@ class _S3Store:
         return f"{self._prefix}/{name}" if self._prefix else name
 
     def _entry_key(self, version: int) -> str:
-        return self._key(f"_delta_log/{entry_name(version)}")
+        return self._key(f"{LOG_DIR}/{entry_name(version)}")
 
     def write_file(self, name: str, data) -> None:
         self._client.put_object(Bucket=self._bucket, Key=self._key(name), Body=data.to_pybytes()
@@ -407,7 +374,7 @@ class _S3Store:
         from botocore.exceptions import ClientError
         try:
             body = self._client.get_object(
-                Bucket=self._bucket, Key=self._key("_delta_log/_last_checkpoint"))["Body"].read()
+                Bucket=self._bucket, Key=self._key(f"{LOG_DIR}/_last_checkpoint"))["Body"].read()
         except ClientError as exc:
             if _status(exc) == 404:
                 return None

@@ -23,13 +23,14 @@ sender waits for them.
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import queue
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Final, Mapping, Sequence, TypeAlias
 
 import pyarrow as pa
 from deltalake import (ColumnProperties, CommitProperties, DeltaTable,
@@ -50,7 +51,19 @@ _COMMIT = CommitProperties(max_commit_retries=1000)
 # every LOG_CLEANUP_EVERY commits instead (checkpoints of delta-rs' own
 # commits stay with its hook).
 _HOOKS = PostCommitHookProperties(cleanup_expired_logs=False)
-_STOP = object()
+
+
+class _Stop(enum.Enum):
+    """The queue's end mark: an enum member, so that `item is _STOP` narrows its type."""
+
+    STOP = "stop"
+
+
+_STOP: Final = _Stop.STOP
+#: one append's rows: column name → its values, one per row
+Columns: TypeAlias = Mapping[str, Sequence[object]]
+#: a queued append and the ticket its sender waits on
+_Pending: TypeAlias = "tuple[Columns, CommitTicket]"
 #: how long a wake-up chain may stall (a sender that never asked for its
 #: result) before the writer wakes the rest of it at once
 CHAIN_STALL_S = 0.05
@@ -75,6 +88,8 @@ class WriterStats:
     build_s: float = 0.0
     idle_s: float = 0.0
     upkeep_s: float = 0.0
+    #: upkeep reads that met a log changing under them (retried, not errors)
+    upkeep_retries: int = 0
 
     @property
     def rows_per_commit(self) -> float:
@@ -135,8 +150,9 @@ class GroupCommitWriter:
                                    compact_every=compact_every,
                                    log_cleanup_every=log_cleanup_every, log_floor=log_floor,
                                    writer_properties=self._writer_properties)
-        self._waking: collections.deque = collections.deque()  # the last commit's chain
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # the last commit's chain
+        self._waking: collections.deque[CommitTicket] = collections.deque()
+        self._queue: queue.SimpleQueue[_Pending | _Stop] = queue.SimpleQueue()
         self._closed = False
         self._lock = threading.Lock()
         self.commits = 0
@@ -147,7 +163,7 @@ class GroupCommitWriter:
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, columns: dict[str, list]) -> "CommitTicket":
+    def submit(self, columns: Columns) -> "CommitTicket":
         ticket = CommitTicket()
         with self._lock:
             if self._closed:
@@ -164,7 +180,8 @@ class GroupCommitWriter:
     def stats(self) -> WriterStats:
         s = dict(self._seconds)
         return WriterStats(commits=self.commits, rows=self._rows, commit_s=s["commit"],
-                           build_s=s["build"], idle_s=s["idle"], upkeep_s=self.upkeep.busy_s)
+                           build_s=s["build"], idle_s=s["idle"], upkeep_s=self.upkeep.busy_s,
+                           upkeep_retries=self.upkeep.transient_retries)
 
     def close(self) -> None:
         """Commit what was submitted, finish the upkeep that is due, stop."""
@@ -201,7 +218,7 @@ class GroupCommitWriter:
             self._commit(batch)
         _wake_all(self._waking)
 
-    def _next_item(self):
+    def _next_item(self) -> _Pending | _Stop:
         """The next queued append; while the last commit's senders are still
         being woken, waits at most CHAIN_STALL_S before waking the rest itself."""
         while self._waking:
@@ -211,7 +228,7 @@ class GroupCommitWriter:
                 _wake_all(self._waking)
         return self._queue.get()
 
-    def _commit(self, batch: list[tuple[dict, "CommitTicket"]]) -> None:
+    def _commit(self, batch: list[_Pending]) -> None:
         started, built = time.perf_counter(), None
         try:
             table = self._build(batch)
@@ -255,12 +272,14 @@ class GroupCommitWriter:
                 self._appender = None
         if trimmed_past(self._table):  # idle while others committed and trimmed
             self._table.update_incremental()
-        write_deltalake(self._table, rows, mode="append", commit_properties=_COMMIT,
-                        post_commithook_properties=_HOOKS,
+        # delta-rs' overloads say `writer_properties: WriterProperties`; the
+        # function itself takes None (its default) as well.
+        write_deltalake(self._table, rows, mode="append",  # type: ignore[call-overload]
+                        commit_properties=_COMMIT, post_commithook_properties=_HOOKS,
                         writer_properties=self._writer_properties)
         return self._table.version()
 
-    def _wake(self, batch: list[tuple[dict, "CommitTicket"]], version: int | None,
+    def _wake(self, batch: list[_Pending], version: int | None,
               error: BaseException | None) -> None:
         """Settle every ticket of the batch, then start its wake-up chain (a
         stalled previous chain is woken in full first: it had a whole commit)."""
@@ -273,11 +292,11 @@ class GroupCommitWriter:
             ticket._chain = self._waking
         _wake_next(self._waking)
 
-    def _build(self, batch: list[tuple[dict, "CommitTicket"]]) -> pa.Table:
+    def _build(self, batch: list[_Pending]) -> pa.Table:
         if len(batch) == 1:
             return to_arrow(self._schema, batch[0][0], self._stamp, self._clock())
         names = [n for n in self._schema.names if n != self._stamp]
-        merged: dict[str, list] = {n: [] for n in names}
+        merged: dict[str, list[object]] = {n: [] for n in names}
         for columns, _ in batch:
             for n in names:
                 merged[n].extend(columns[n])
@@ -295,10 +314,10 @@ class CommitTicket:
 
     __slots__ = ("_ready", "_chain", "_version", "_error")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._ready = threading.Lock()
         self._ready.acquire()  # released once, when the chain reaches this ticket
-        self._chain: collections.deque | None = None
+        self._chain: collections.deque[CommitTicket] | None = None
         self._version: int | None = None
         self._error: BaseException | None = None
 
@@ -311,13 +330,15 @@ class CommitTicket:
         self._ready.release()  # later calls return at once
         # Pass the wake-up on before our own work: the next thread gets
         # scheduled while we run, and takes the GIL when we block.
+        assert self._chain is not None  # set before the writer releases any ticket
         _wake_next(self._chain)
         if self._error is not None:
             raise self._error
+        assert self._version is not None  # settled with a version or an error
         return self._version
 
 
-def _wake_next(chain: collections.deque) -> None:
+def _wake_next(chain: collections.deque[CommitTicket]) -> None:
     # popleft is atomic, so a ticket is woken once even if the writer, waking
     # a stalled chain, races a sender passing it on.
     try:
@@ -326,7 +347,7 @@ def _wake_next(chain: collections.deque) -> None:
         pass
 
 
-def _wake_all(chain: collections.deque) -> None:
+def _wake_all(chain: collections.deque[CommitTicket]) -> None:
     while chain:
         _wake_next(chain)
 
@@ -346,7 +367,7 @@ def plain_encoding(columns: tuple[str, ...]) -> WriterProperties | None:
         c: ColumnProperties(dictionary_enabled=False) for c in columns})
 
 
-def to_arrow(schema: pa.Schema, columns: dict[str, list], stamp_column: str | None,
+def to_arrow(schema: pa.Schema, columns: Columns, stamp_column: str | None,
              stamp: int) -> pa.Table:
     """Arrow columns built directly from Python lists (no per-row dicts);
     `stamp_column` gets `stamp`, the durable-write time, in every row."""
@@ -376,8 +397,8 @@ class DirectWriter:
         self._count_lock = threading.Lock()
         self.commits = 0
 
-    def submit(self, columns: dict[str, list]) -> Future:
-        fut: Future = Future()
+    def submit(self, columns: Columns) -> Future[int]:
+        fut: Future[int] = Future()
         table = getattr(self._local, "table", None)
         if table is None:
             table = self._local.table = DeltaTable(self._uri,

@@ -17,16 +17,13 @@ the job has run once nothing is trimmed: its first run reads from version 0.
 from __future__ import annotations
 
 import os
-import re
-from urllib.parse import unquote, urlparse
 
 from deltalake import DeltaTable
 
 from schemas import HALF, OP, TableSchema
+from txn_core.delta_log import LOG_DIR, checkpoint_versions, entry_name, is_log_file, local_dir
 from txn_core.tables import latest_run_rows
 
-_CHECKPOINT = re.compile(r"^(\d{20})\.checkpoint(\.\d{10}\.\d{10})?\.parquet$")
-_ENTRY = re.compile(r"^(\d{20})\.(json|crc|checkpoint(\.\d{10}\.\d{10})?\.parquet)$")
 #: the `_sys/runs` column with the version after which a run reads each table
 _CURSOR = {HALF.path: "prev_half_version", OP.path: "prev_op_version"}
 
@@ -40,19 +37,6 @@ def job_cursor(warehouse: str, table: TableSchema,
     return min(r[column] for r in rows) + 1 if rows else None
 
 
-def local_dir(table: DeltaTable) -> str | None:
-    """The table's directory when it is on a local filesystem, else None."""
-    return local_path(table.table_uri)
-
-
-def local_path(uri: str) -> str | None:
-    """`uri` as a local filesystem path (a plain path or a file: URI), else None."""
-    parsed = urlparse(uri)
-    if parsed.scheme == "file":
-        return unquote(parsed.path)
-    return uri if parsed.scheme == "" else None
-
-
 def trim_log(table: DeltaTable, keep_from: int) -> int:
     """Delete the log entries (commits, their checksums, checkpoints) of
     versions before the newest checkpoint at or before `keep_from`; returns
@@ -61,7 +45,7 @@ def trim_log(table: DeltaTable, keep_from: int) -> int:
     root = local_dir(table)
     if root is None:
         return 0
-    log_dir = os.path.join(root, "_delta_log")
+    log_dir = os.path.join(root, LOG_DIR)
     names = sorted(os.listdir(log_dir))
     checkpoints = checkpoint_versions(names)
     floor = max((v for v in checkpoints if v <= keep_from), default=None)
@@ -69,8 +53,8 @@ def trim_log(table: DeltaTable, keep_from: int) -> int:
         return 0
     removed = 0
     for name in names:  # oldest first: what is left is always contiguous
-        entry = _ENTRY.match(name)
-        if entry is None or int(entry.group(1)) >= floor:
+        version = is_log_file(name)
+        if version is None or version >= floor:
             continue
         try:
             os.remove(os.path.join(log_dir, name))
@@ -78,11 +62,6 @@ def trim_log(table: DeltaTable, keep_from: int) -> int:
         except FileNotFoundError:  # another producer process trimmed it first
             pass
     return removed
-
-
-def checkpoint_versions(log_entries: list[str]) -> list[int]:
-    """The versions of the checkpoints among a `_delta_log` listing."""
-    return [int(m.group(1)) for m in map(_CHECKPOINT.match, log_entries) if m]
 
 
 def trimmed_past(table: DeltaTable) -> bool:
@@ -94,4 +73,4 @@ def trimmed_past(table: DeltaTable) -> bool:
     root = local_dir(table)
     if root is None:
         return False
-    return not os.path.exists(os.path.join(root, "_delta_log", f"{table.version():020d}.json"))
+    return not os.path.exists(os.path.join(root, LOG_DIR, entry_name(table.version())))

@@ -43,6 +43,9 @@ COMPACT_TARGET_BYTES = 16 << 20
 #: commits between two log clean-ups
 LOG_CLEANUP_EVERY = 100
 _COMMIT = CommitProperties(max_commit_retries=1000)
+#: what delta-rs says when it lists a log while other writers add to it:
+#: expected under load, and the next round reads it whole
+TRANSIENT_LOG_ERROR = "Expected contiguous commit files"
 
 
 class WriterUpkeep:
@@ -72,6 +75,8 @@ class WriterUpkeep:
         self._writer_properties = writer_properties
         self._table: DeltaTable | None = None  # opened in the upkeep thread
         self.compactions = self.log_cleanups = self.checkpoints = self.trimmed_entries = 0
+        #: reads of the table that met a log changing under them, retried next round
+        self.transient_retries = 0
         #: seconds the upkeep thread spent working
         self.busy_s = 0.0
         # Written under _due: what the writer reported since the last round.
@@ -141,9 +146,13 @@ class WriterUpkeep:
             else:
                 self._table.load_as_version(version)
             return True
-        except Exception:  # noqa: BLE001 - retried at the next round
-            log.warning("upkeep of %s could not read the table; next round", self._name,
-                        exc_info=True)
+        except Exception as exc:  # noqa: BLE001 - retried at the next round
+            if is_transient(exc):
+                self.transient_retries += 1
+                log.debug("upkeep of %s met a changing log (%s); next round", self._name, exc)
+            else:
+                log.warning("upkeep of %s could not read the table; next round", self._name,
+                            exc_info=True)
             return False
 
     def _write_checkpoint(self) -> None:
@@ -151,6 +160,7 @@ class WriterUpkeep:
         version it would pick. Failing is harmless: readers replay more JSON
         until the next one."""
         try:
+            assert self._table is not None  # opened by _loaded(), which the caller checked
             self._table.create_checkpoint()
             self.checkpoints += 1
         except Exception:  # noqa: BLE001
@@ -162,6 +172,7 @@ class WriterUpkeep:
         `maintain`, does it."""
         self.compactions += 1
         try:
+            assert self._table is not None  # opened by _loaded(), which the caller checked
             self._table.optimize.compact(target_size=COMPACT_TARGET_BYTES,
                                          writer_properties=self._writer_properties,
                                          commit_properties=_COMMIT)
@@ -175,6 +186,7 @@ class WriterUpkeep:
         last checkpoint), if the table asks for clean-up, and those behind
         `log_floor`. Failing: the next round, or `maintain`, does it."""
         try:
+            assert self._table is not None  # opened by _loaded(), which the caller checked
             config = self._table.metadata().configuration
             if config.get("delta.enableExpiredLogCleanup", "true").lower() != "true":
                 return
@@ -185,3 +197,12 @@ class WriterUpkeep:
                 self.trimmed_entries += trim_log(self._table, floor)
         except Exception:  # noqa: BLE001
             log.warning("log cleanup of %s failed; next round", self._name, exc_info=True)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether `exc` is delta-rs meeting a log that others were changing: a
+    gap in its listing, or an entry cleaned up between listing and reading."""
+    text = str(exc)
+    vanished = "_delta_log" in text and ("not found" in text.lower()
+                                         or "no such file" in text.lower())
+    return TRANSIENT_LOG_ERROR in text or vanished

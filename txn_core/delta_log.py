@@ -1,0 +1,148 @@
+"""The Delta log protocol as this project reads and writes it by hand, in one place.
+
+Three shortcuts bypass an engine's own Delta code: producers commit blind
+appends (`txn_core.blind_append`), the job reads appended files from log
+entries (`jobs.appends`) and commits files Spark wrote (`jobs.commits`).
+Each is only taken on a table that asks nothing more of a reader or writer
+than what they do; what that means, where a table's log lives and what its
+entries are called, and the file statistics readers skip files by are
+defined here. No Spark: the broker core imports it.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+__all__ = ["LOG_DIR", "SAFE_WRITER_FEATURES", "checkpoint_versions", "entry_name",
+           "file_stats", "is_log_file", "local_dir", "local_path", "plain_reader",
+           "reader_duties", "writer_duties"]
+
+LOG_DIR = "_delta_log"
+#: writer features whose duties a writer of whole files (adds and removes of
+#: plain columns) meets by itself: appendOnly (it only adds, or the table is
+#: not append-only), invariants (NOT NULL is checked; column invariants are
+#: refused by `writer_duties`), changeDataFeed (whole files added or removed
+#: need no change files)
+SAFE_WRITER_FEATURES = frozenset({"appendOnly", "invariants", "changeDataFeed"})
+#: reader features under which a data file's rows are the table's rows as written
+_PLAIN_READER_FEATURES = frozenset({"timestampNtz"})
+#: column metadata that gives a writer a duty (an invariant to check, a value to generate)
+_FIELD_DUTIES = ("delta.invariants", "delta.generationExpression", "delta.identity",
+                 "delta.columnMapping")
+_CHECKPOINT = re.compile(r"^(\d{20})\.checkpoint(\.\d{10}\.\d{10})?\.parquet$")
+_LOG_FILE = re.compile(r"^(\d{20})\.(json|crc|checkpoint(\.\d{10}\.\d{10})?\.parquet)$")
+
+
+def entry_name(version: int) -> str:
+    """The file name of a version's commit in `_delta_log/`.
+
+    >>> entry_name(42)
+    '00000000000000000042.json'
+    """
+    return f"{version:020d}.json"
+
+
+def checkpoint_versions(names: list[str]) -> list[int]:
+    """The versions of the checkpoints among a `_delta_log` listing."""
+    return [int(m.group(1)) for m in map(_CHECKPOINT.match, names) if m]
+
+
+def is_log_file(name: str) -> int | None:
+    """The version of a commit, checksum or checkpoint file name, else None."""
+    match = _LOG_FILE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def local_path(uri: str) -> str | None:
+    """`uri` as a local filesystem path (a plain path or a file: URI), else None."""
+    parsed = urlparse(uri)
+    if parsed.scheme == "file":
+        return unquote(parsed.path)
+    return uri if parsed.scheme == "" else None
+
+
+def local_dir(table: Any) -> str | None:
+    """A delta-rs table's directory when it is on a local filesystem, else None."""
+    return local_path(table.table_uri)
+
+
+def plain_reader(min_reader_version: int, reader_features: list[str] | None) -> bool:
+    """Whether a reader of this protocol reads data files as they are."""
+    return min_reader_version == 1 or (
+        min_reader_version == 3 and set(reader_features or ()) <= _PLAIN_READER_FEATURES)
+
+
+def reader_duties(table: Any) -> str | None:
+    """Why a delta-rs `table` (at its loaded version) does not hold its rows
+    in its data files as written — reader features, partitions, column
+    mapping — or None when it does."""
+    protocol, metadata = table.protocol(), table.metadata()
+    if not plain_reader(protocol.min_reader_version, protocol.reader_features):
+        return (f"reader protocol {protocol.min_reader_version} "
+                f"{sorted(protocol.reader_features or ())}")
+    if metadata.partition_columns:
+        return f"partitioned by {metadata.partition_columns}"
+    if metadata.configuration.get("delta.columnMapping.mode", "none") != "none":
+        return "table properties ['delta.columnMapping.mode']"
+    return None
+
+
+def writer_duties(table: Any) -> str | None:
+    """Why a writer of whole files of plain columns may not write the delta-rs
+    `table` — writer features beyond SAFE_WRITER_FEATURES, CHECK constraints,
+    column invariants, generated or identity columns — or None."""
+    protocol, metadata = table.protocol(), table.metadata()
+    if protocol.min_writer_version > 4 and not (
+            protocol.min_writer_version == 7
+            and set(protocol.writer_features or ()) <= SAFE_WRITER_FEATURES):
+        return (f"writer protocol {protocol.min_writer_version} with features "
+                f"{sorted(protocol.writer_features or ())}")
+    constraints = sorted(k for k in metadata.configuration if k.startswith("delta.constraints."))
+    if constraints:
+        return f"table properties {constraints}"
+    for field in json.loads(table.schema().to_json())["fields"]:
+        duties = sorted(k for k in field.get("metadata", {}) if k.startswith(_FIELD_DUTIES))
+        if duties:
+            return f"column {field['name']!r} has {duties}"
+    return None
+
+
+def file_stats(metadata: Any, indexed: list[str], string_prefix: int | None = None
+               ) -> dict[str, Any]:
+    """Delta file statistics of a parquet file from its footer (pyarrow's
+    `FileMetaData`): the row count, and for each indexed top-level column its
+    null count and, for integers and strings, min and max. With
+    `string_prefix` (Delta's writer keeps 32 characters) a string's min is
+    cut to it, still a lower bound, and a longer max is left out, as it
+    would no longer be an upper bound; delta-rs keeps whole values. A column
+    whose footer lacks a statistic gets none: readers then keep the file,
+    which is always right."""
+    stats: dict[str, Any] = {"numRecords": metadata.num_rows, "minValues": {},
+                             "maxValues": {}, "nullCount": {}}
+    schema = metadata.schema
+    wanted = set(indexed)
+    for i in range(metadata.num_columns):
+        column = schema.column(i)
+        if column.path not in wanted:  # nested leaves have dotted paths: never indexed here
+            continue
+        chunks = [metadata.row_group(g).column(i).statistics
+                  for g in range(metadata.num_row_groups)]
+        if any(s is None or not s.has_null_count for s in chunks):
+            continue
+        stats["nullCount"][column.path] = sum(s.null_count for s in chunks)
+        ordered = column.physical_type in ("INT32", "INT64") or (
+            column.physical_type == "BYTE_ARRAY" and str(column.logical_type) == "String")
+        with_values = [s for s in chunks if s.num_values > 0]
+        if not ordered or not with_values or not all(s.has_min_max for s in with_values):
+            continue
+        low, high = min(s.min for s in with_values), max(s.max for s in with_values)
+        if isinstance(low, str) and string_prefix is not None:
+            low = low[:string_prefix]
+            if len(high) > string_prefix:
+                high = None
+        stats["minValues"][column.path] = low
+        if high is not None:
+            stats["maxValues"][column.path] = high
+    return stats
