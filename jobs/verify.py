@@ -506,60 +506,123 @@ def _expected(judged: DataFrame, winners: DataFrame, per_half_discard: DataFrame
 
 # --- the audit ----------------------------------------------------------------
 
+@dataclass
+class _Scope:
+    """What verify judges: the committed runs, and the unfinished one whose
+    outputs it ignores (its intent pins the state tables it read)."""
+
+    committed: list[dict]
+    incomplete: dict | None
+    notes: list[str]
+
+    @property
+    def last(self) -> dict | None:
+        return self.committed[-1] if self.committed else None
+
+    @property
+    def half_upto(self) -> int:
+        return int(self.last["half_version"]) if self.last else -1
+
+    @property
+    def op_upto(self) -> int:
+        return int(self.last["op_version"]) if self.last else -1
+
+    @property
+    def ignored_run(self) -> str | None:
+        return self.incomplete["run_id"] if self.incomplete else None
+
+
 def verify(spark: SparkSession, config) -> VerifyReport:
     """Recompute every half message's fate from `_sys/half` and `_sys/op` and
     compare it with the job's outputs and state. Reads only; writes nothing."""
-    config = as_config(config)
-    wh = use_warehouse(spark, config)
-    notes: list[str] = []
+    wh = use_warehouse(spark, as_config(config))
+    scope = _scope(spark, wh)
+    runs = _runs_frame(spark, scope.committed)
+    half = _with_versions(spark, table_path(wh, HALF), HALF, scope.half_upto, scope.notes).cache()
+    op = _with_versions(spark, table_path(wh, OP), OP, scope.op_upto, scope.notes).cache()
+    tables = _state_tables(spark, wh, scope)
+    topic_names, delivered_rows = _delivered_rows(spark, wh, scope.ignored_run)
+
+    halves = _halves(half)
+    discard_dated, per_half_discard = _dated_discards(tables[DISCARD.path], runs)
+    ops = _judged_ops(op, runs, halves, per_half_discard).cache()
+    winners = _winners(ops, tables[RESOLVED.path])
+    judged = halves.where(F.col("half_cv") <= F.lit(scope.half_upto))
+    expected = _expected(judged, winners, per_half_discard, delivered_rows).cache()
+
+    all_diffs = _union([
+        *_raw_duplicates(half, op),
+        *_discard_differences(discard_dated, per_half_discard, expected,
+                              tables[CHECK_REQUESTS.path]),
+        *_topic_differences(delivered_rows, expected),
+        *_pending_differences(tables[PENDING.path], expected),
+        *_resolved_differences(tables[RESOLVED.path], expected),
+        _queue_differences(expected, tables[QUEUES.path]),
+        *_rejected_differences(expected, ops, tables[REJECTED.path])]).cache()
+    by_kind = {r["kind"]: r["n"] for r in
+               all_diffs.groupBy("kind").agg(F.count("*").alias("n")).collect()}
+    listed = [r.asDict() for r in
+              all_diffs.orderBy(F.col("half_offset").asc_nulls_last(), "kind")
+              .limit(MAX_LISTED).collect()]
+    counts = _counts(expected, ops, scope,
+                     not_yet=_newer_rows(spark, table_path(wh, HALF), half.count()),
+                     topic_tables=len(topic_names))
+    for df in (half, op, ops, expected, delivered_rows, all_diffs):
+        df.unpersist()
+    last = scope.last
+    judged_run = None if last is None else {
+        "run_id": last["run_id"], "run_number": last["run_number"],
+        "half_version": scope.half_upto, "op_version": scope.op_upto}
+    return VerifyReport(ok=not by_kind, differences=listed, counts=counts,
+                        differences_by_kind=by_kind, notes=scope.notes, judged_run=judged_run)
+
+
+def _scope(spark: SparkSession, wh: str) -> _Scope:
     committed, incomplete = _committed_runs(spark, wh)
-    last = committed[-1] if committed else None
-    half_upto = last["half_version"] if last else -1
-    op_upto = last["op_version"] if last else -1
-    ignored_run = incomplete["run_id"] if incomplete else None
-    state_versions: dict[str, int] = {}
+    notes: list[str] = []
     if incomplete is not None:
         notes.append(f"run {incomplete['run_number']} ({incomplete['run_id']}) has not "
                      f"committed: its outputs are not judged, the next run completes it")
-        state_versions = dict(incomplete.get("state_versions") or {})
+    return _Scope(committed, incomplete, notes)
 
-    # Intervals of OP versions read by each committed run, to date OPs and discards.
-    runs_rows, prev_op = [], -1
+
+def _runs_frame(spark: SparkSession, committed: list[dict]) -> DataFrame:
+    """Each committed run with the interval of OP versions it read (op_lo,
+    op_hi], to date OPs and discards, and the rules it ran with."""
+    rows, prev_op = [], -1
     for r in committed:
         rules = _rules(r)
-        runs_rows.append((r["run_id"], int(r["run_number"]), prev_op, int(r["op_version"]),
-                          int(r["half_version"]), int(r["now_ms"]),
-                          rules.get("reserved_ms"), rules.get("check_max"),
-                          rules.get("check_budget")))
+        rows.append((r["run_id"], int(r["run_number"]), prev_op, int(r["op_version"]),
+                     int(r["half_version"]), int(r["now_ms"]), rules.get("reserved_ms"),
+                     rules.get("check_max"), rules.get("check_budget")))
         prev_op = int(r["op_version"])
-    runs = spark.createDataFrame(runs_rows, "run_id string, run_number bigint, op_lo bigint, "
-                                            "op_hi bigint, run_half_version bigint, "
-                                            "run_now_ms bigint, reserved_ms bigint, "
-                                            "check_max bigint, check_budget string")
+    return spark.createDataFrame(rows, "run_id string, run_number bigint, op_lo bigint, "
+                                       "op_hi bigint, run_half_version bigint, "
+                                       "run_now_ms bigint, reserved_ms bigint, "
+                                       "check_max bigint, check_budget string")
 
-    half = _with_versions(spark, table_path(wh, HALF), HALF, half_upto, notes)
-    op = _with_versions(spark, table_path(wh, OP), OP, op_upto, notes)
-    half = half.cache()
-    op = op.cache()
 
-    def pinned(table):
-        # With an unfinished run, read the state tables as its intent pinned
-        # them: the state the last committed run left.
-        version = state_versions.get(table.path) if incomplete is not None else None
-        df = _read(spark, table_path(wh, table), spark_schema(table), version)
-        if "run_id" in df.columns and ignored_run is not None:
-            df = df.where(F.col("run_id") != F.lit(ignored_run))
+def _state_tables(spark: SparkSession, wh: str, scope: _Scope) -> dict[str, DataFrame]:
+    """The job's state and output tables by path, without the rows of an
+    unfinished run; with one, as its intent pinned them (the state the last
+    committed run left)."""
+    versions = dict(scope.incomplete.get("state_versions") or {}) if scope.incomplete else {}
+
+    def pinned(table: TableSchema) -> DataFrame:
+        df = _read(spark, table_path(wh, table), spark_schema(table), versions.get(table.path))
+        if "run_id" in df.columns and scope.ignored_run is not None:
+            df = df.where(F.col("run_id") != F.lit(scope.ignored_run))
         return df
 
-    discard_all = pinned(DISCARD)
-    pending = pinned(PENDING)
-    resolved = pinned(RESOLVED)
-    queues = pinned(QUEUES)
-    rejected = pinned(REJECTED)
-    requests = pinned(CHECK_REQUESTS)
+    return {t.path: pinned(t) for t in (DISCARD, PENDING, RESOLVED, QUEUES, REJECTED,
+                                        CHECK_REQUESTS)}
 
+
+def _delivered_rows(spark: SparkSession, wh: str,
+                    ignored_run: str | None) -> tuple[list[str], DataFrame]:
+    """The topics found, and every row of their tables with its `found_topic`."""
     topic_names = _topics(spark, wh)
-    delivered_rows = None
+    delivered = None
     for name in topic_names:
         path = topic_path(wh, name)
         if not state.is_delta(path):
@@ -567,31 +630,40 @@ def verify(spark: SparkSession, config) -> VerifyReport:
         df = spark.read.format("delta").load(path).withColumn("found_topic", F.lit(name))
         if ignored_run is not None:
             df = df.where(F.col("run_id") != F.lit(ignored_run))
-        delivered_rows = df if delivered_rows is None else delivered_rows.unionByName(df)
-    if delivered_rows is None:
-        delivered_rows = local_frame(spark, [], spark_schema(TOPIC)).withColumn(
+        delivered = df if delivered is None else delivered.unionByName(df)
+    if delivered is None:
+        delivered = local_frame(spark, [], spark_schema(TOPIC)).withColumn(
             "found_topic", F.lit(None).cast("string"))
-    delivered_rows = delivered_rows.cache()
+    return topic_names, delivered.cache()
 
-    # Halves: the rows the broker core would not have written are set aside.
-    system = F.col("topic").rlike(SYSTEM_TOPIC_REGEX)
-    halves = (half.dropDuplicates(["half_offset"])
-              .withColumn("bad_half", (~F.col("topic").rlike(TOPIC_PATTERN)) | system
-                          | (F.col("queue_id") < 0))
-              .withColumnRenamed("cv", "half_cv"))
 
-    # Discard rows: only those of committed runs date a discard.
-    discard_dated = discard_all.join(
+def _halves(half: DataFrame) -> DataFrame:
+    """One row per half, `bad_half` when the broker core would not have written it."""
+    return (half.dropDuplicates(["half_offset"])
+            .withColumn("bad_half", ~F.col("topic").rlike(TOPIC_PATTERN)
+                        | F.col("topic").rlike(SYSTEM_TOPIC_REGEX) | (F.col("queue_id") < 0))
+            .withColumnRenamed("cv", "half_cv"))
+
+
+def _dated_discards(discard_all: DataFrame, runs: DataFrame) -> tuple[DataFrame, DataFrame]:
+    """Discard rows with the run that wrote them (only committed runs date a
+    discard), and per half: how many, and the OP version of the first."""
+    dated = discard_all.join(
         F.broadcast(runs.select("run_id", "run_number", F.col("op_hi").alias("d_op_version"),
                                 "run_now_ms", "reserved_ms", "check_max", "check_budget")),
         "run_id", "left")
-    per_half_discard = (discard_dated.where(F.col("run_number").isNotNull())
-                        .groupBy("half_offset")
-                        .agg(F.count("*").alias("n_discards"),
-                             F.min("d_op_version").alias("d_op_version"),
-                             F.first("transaction_id").alias("d_txn")))
+    per_half = (dated.where(F.col("run_number").isNotNull())
+                .groupBy("half_offset")
+                .agg(F.count("*").alias("n_discards"),
+                     F.min("d_op_version").alias("d_op_version"),
+                     F.first("transaction_id").alias("d_txn")))
+    return dated, per_half
 
-    # OPs: date each by the run that read it, then validate against its half.
+
+def _judged_ops(op: DataFrame, runs: DataFrame, halves: DataFrame,
+                per_half_discard: DataFrame) -> DataFrame:
+    """Each OP dated by the run that read it and validated against its half:
+    `valid`, `late` (after its message's discard, and not ADMIN), `eligible`."""
     o = op.join(F.broadcast(runs.select("run_number", "op_lo", "op_hi", "run_half_version")),
                 (op["cv"] > F.col("op_lo")) & (op["cv"] <= F.col("op_hi")), "left")
     h = halves.select("half_offset", F.col("transaction_id").alias("h_txn"),
@@ -604,58 +676,49 @@ def verify(spark: SparkSession, config) -> VerifyReport:
              & F.col("action").isin(*Action) & F.col("source").isin(*Source))
     late = F.col("d_op_version").isNotNull() & (F.col("cv") > F.col("d_op_version")) \
         & (F.col("source") != Source.ADMIN)
-    ops = (o.withColumn("valid", F.coalesce(valid, F.lit(False)))
-           .withColumn("late", F.col("valid") & F.coalesce(late, F.lit(False)))
-           .withColumn("eligible", F.col("valid") & ~F.col("late"))).cache()
-    # Among OPs older than the log, the job's recorded winner goes first.
+    return (o.withColumn("valid", F.coalesce(valid, F.lit(False)))
+            .withColumn("late", F.col("valid") & F.coalesce(late, F.lit(False)))
+            .withColumn("eligible", F.col("valid") & ~F.col("late")))
+
+
+def _winners(ops: DataFrame, resolved: DataFrame) -> DataFrame:
+    """The first eligible OP of each half in commit order; among OPs older
+    than the log (undated), the job's recorded winner goes first."""
     job_pick = (resolved.dropDuplicates(["half_offset", "op_offset"])
                 .select("half_offset", "op_offset", F.lit(0).alias("job_pick")))
     o = (ops.join(job_pick, ["half_offset", "op_offset"], "left")
          .withColumn("job_pick", F.when(F.col("dated"), 1)
                      .otherwise(F.coalesce(F.col("job_pick"), F.lit(1)))))
     first = Window.partitionBy("half_offset").orderBy("cv", "job_pick", "op_offset")
-    winners = (o.where("eligible").withColumn("_n", F.row_number().over(first))
-               .where("_n = 1")
-               .select("half_offset", F.col("op_offset").alias("w_op_offset"),
-                       F.col("action").alias("w_action"), F.col("source").alias("w_source"),
-                       F.col("cv").alias("w_cv"), F.col("dated").alias("w_dated"),
-                       F.col("store_ms").alias("w_store_ms"),
-                       F.col("d_op_version").isNotNull().alias("w_after_discard"),
-                       (F.col("d_op_version").isNotNull()
-                        & (F.col("cv") <= F.col("d_op_version"))).alias("w_before_discard")))
+    return (o.where("eligible").withColumn("_n", F.row_number().over(first))
+            .where("_n = 1")
+            .select("half_offset", F.col("op_offset").alias("w_op_offset"),
+                    F.col("action").alias("w_action"), F.col("source").alias("w_source"),
+                    F.col("cv").alias("w_cv"), F.col("dated").alias("w_dated"),
+                    F.col("store_ms").alias("w_store_ms"),
+                    F.col("d_op_version").isNotNull().alias("w_after_discard"),
+                    (F.col("d_op_version").isNotNull()
+                     & (F.col("cv") <= F.col("d_op_version"))).alias("w_before_discard")))
 
-    # The expected fate of every judged half: the full anti-join.
-    judged = halves.where(F.col("half_cv") <= F.lit(half_upto))
-    expected = _expected(judged, winners, per_half_discard, delivered_rows).cache()
 
-    diffs = [*_raw_duplicates(half, op),
-             *_discard_differences(discard_dated, per_half_discard, expected, requests),
-             *_topic_differences(delivered_rows, expected),
-             *_pending_differences(pending, expected),
-             *_resolved_differences(resolved, expected),
-             _queue_differences(expected, queues),
-             *_rejected_differences(expected, ops, rejected)]
+def _union(frames: list[DataFrame]) -> DataFrame:
+    union = frames[0]
+    for df in frames[1:]:
+        union = union.unionByName(df)
+    return union
 
-    all_diffs = diffs[0]
-    for d in diffs[1:]:
-        all_diffs = all_diffs.unionByName(d)
-    all_diffs = all_diffs.cache()
-    by_kind = {r["kind"]: r["n"] for r in
-               all_diffs.groupBy("kind").agg(F.count("*").alias("n")).collect()}
-    listed = [r.asDict() for r in
-              all_diffs.orderBy(F.col("half_offset").asc_nulls_last(), "kind")
-              .limit(MAX_LISTED).collect()]
 
+def _counts(expected: DataFrame, ops: DataFrame, scope: _Scope, *, not_yet: int,
+            topic_tables: int) -> dict[str, int]:
     fates = {r["fate"]: r["n"]
              for r in expected.groupBy("fate").agg(F.count("*").alias("n")).collect()}
     op_stats = ops.agg(
         F.count("*").alias("ops_judged"),
         F.sum(F.when(~F.col("valid"), 1).otherwise(0)).alias("invalid_ops"),
         F.sum(F.when(F.col("late"), 1).otherwise(0)).alias("late_ops")).first().asDict()
-    counts = {
+    return {
         "halves_judged": sum(fates.values()),
-        "halves_not_yet_processed": _newer_rows(spark, table_path(wh, HALF),
-                                                half.count()),
+        "halves_not_yet_processed": not_yet,
         "delivered": fates.get(DELIVERED, 0),
         "rolled_back": fates.get(ROLLED_BACK, 0),
         "discarded": fates.get(DISCARDED, 0),
@@ -664,14 +727,6 @@ def verify(spark: SparkSession, config) -> VerifyReport:
         "ops_judged": op_stats["ops_judged"],
         "invalid_ops": op_stats["invalid_ops"] or 0,
         "late_ops": op_stats["late_ops"] or 0,
-        "topic_tables": len(topic_names),
-        "committed_runs": len(committed),
+        "topic_tables": topic_tables,
+        "committed_runs": len(scope.committed),
     }
-    for df in (half, op, ops, expected, delivered_rows, all_diffs):
-        df.unpersist()
-    judged_run = None
-    if last is not None:
-        judged_run = {"run_id": last["run_id"], "run_number": last["run_number"],
-                      "half_version": half_upto, "op_version": op_upto}
-    return VerifyReport(ok=not by_kind, differences=listed, counts=counts,
-                        differences_by_kind=by_kind, notes=notes, judged_run=judged_run)
