@@ -2,7 +2,7 @@
 
 Each counter is an aggregate over rows the run computes anyway: the live
 messages' keys, the classified OPs, the decisions on the messages no OP
-decided (`jobs.reconcile._compute`).
+decided (`jobs.pipeline.compute`).
 Counting them afterwards cost a pass of their own — a Spark job per input,
 one of them re-reading the new half rows' files — about 1.5 s of a
 million-message run on 2 cores. Here they are Spark observations

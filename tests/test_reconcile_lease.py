@@ -148,3 +148,10 @@ def test_bad_environment_value_and_bad_arguments_exit_2(tmp_path, capsys):
     assert main(["run", "--warehouse", wh, "--now-ms", "-5"]) == 2
     assert "now-ms" in capsys.readouterr().err
     assert not os.path.exists(wh)
+
+
+def test_python_dash_m_jobs_is_the_same_command_line():
+    done = subprocess.run([sys.executable, "-m", "jobs", "run", "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: txn-reconcile run") and "--dry-run" in done.stdout

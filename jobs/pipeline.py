@@ -1,0 +1,227 @@
+"""The computation of a run's outputs from its inputs: the rules of
+`jobs.transforms` in order, each write started as soon as its rows are known.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pyspark.sql import functions as F
+from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
+
+from jobs import state
+from jobs import transforms as T
+from jobs.counters import Counters
+from jobs.held import Held
+from jobs.local import local_frame
+from jobs.writes import RunWrites, start_deliveries
+from schemas import (
+    CHECK_REQUESTS,
+    DISCARD,
+    HALF,
+    PENDING,
+    QUEUES,
+    REJECTED,
+    RESOLVED,
+    table_path,
+)
+from txn_core.vocabulary import Decision
+
+#: above this many OPs for messages no longer pending, look them up by a join, not IN (...)
+HISTORY_IN_LIST_MAX = 10_000
+
+
+#: up to this many decided rows (~100 bytes each) are sent whole to every task
+#: of a write to be joined with their messages (`T.with_bodies`), and up to
+#: this many winning OPs to find the messages they leave undecided
+#: (`T.remaining_pending`); above, both sides are shuffled, which moves every
+#: message through a sort
+BROADCAST_MAX_ROWS = 1_000_000
+
+
+#: the driver's own small frames (`jobs.local`): history keys, each queue's last offset
+_HALF_OFFSETS = StructType([StructField("half_offset", LongType(), False)])
+
+
+_QUEUE_ENDS = StructType([StructField("topic", StringType(), False),
+                          StructField("queue_id", IntegerType(), False),
+                          StructField("queue_offset", LongType(), False)])
+
+
+@dataclass
+class Outputs:
+    """The run's output tables but the topics, `_sys/queues` and
+    `_sys/resolved` (whose writes `compute` starts) as DataFrames, and its
+    counters."""
+
+    requests: object
+    discards: object
+    rejected: object
+    pending: object
+    counts: dict = field(default_factory=dict)
+    delivered_by_topic: dict = field(default_factory=dict)
+
+
+def compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held,
+            writes: RunWrites | None) -> Outputs:
+    """The run's outputs (`jobs.transforms`' docstring has the order).
+
+    The rules run on the messages' keys; the keys, the classified OPs and
+    the decisions on the undecided messages are each computed once and kept
+    (`jobs.held`), and the counters are taken while they are
+    (`jobs.counters`). Once the OPs are classified, the winners say all the
+    writes of deliveries need: each queue's count (`T.queue_ends`: the
+    topics to write, the next queues) and, placed in their queues, the rows
+    the topics' write joins with their bodies (one pass, however many
+    topics). The messages not delivered (pending, checked, discarded: few)
+    are joined with their bodies by a pass of their own, kept when more
+    than one table takes rows from it (reading the bodies twice is cheaper
+    than keeping the delivered rows with them). Each write
+    starts as soon as its rows are known (`writes`) and runs beside the
+    rest. No `writes` (a dry run): the counters only, the bodies are never
+    read.
+    """
+    writing = writes is not None
+    paths = state.input_paths(wh)
+    ops = state.added_rows(spark, paths["op"], state.OP, record.prev_op_version,
+                           record.op_version)
+    half = state.added_rows(spark, paths["half"], HALF, record.prev_half_version,
+                            record.half_version, keep_slow=held.cache)
+    answers = state.added_rows(spark, paths["answers"], state.CHECK_ANSWERS,
+                               record.prev_answers_version, record.answers_version)
+    pending_prev = state.read_state(spark, wh, record.state_versions, PENDING)
+    queues = state.read_state(spark, wh, record.state_versions, QUEUES)
+
+    counted = Counters()
+    checked = T.with_reject_reason(half)
+    _, rejected_halves = T.split_halves(checked, rules)
+    accepted, _ = T.split_halves(counted.halves(checked), rules)
+    live = held.checkpoint(T.message_keys(
+        T.live_messages(counted.pending(pending_prev), accepted, rules)))
+    # the messages again, for the bodies of those decided, without the
+    # observations (counted once) or the checks: a rejected half has no fate
+    messages = T.live_messages(pending_prev, half, rules)
+    no_history = T.history_targets(state.empty(spark, RESOLVED), state.empty(spark, DISCARD))
+    classified = held.checkpoint(counted.ops(
+        T.classify_ops(ops, T.op_targets(live, no_history), discards=False)))
+    classified, discard_hist = _with_history(spark, wh, record, classified, held, counted)
+    c = counted.values()
+    won = T.winners(classified)
+    # before any write: Spark gives a job's tasks the cores in the order
+    # the jobs came, and this small one would wait for a write's
+    queue_ends = sorted(tuple(row) for row in T.queue_ends(won, queues).collect())
+    delivered_by_topic = _delivered_by_topic(queue_ends)
+    if writing and delivered_by_topic:  # a few rows, written first for the same reason
+        writes.start(T.next_queues(queues, _queue_ends_frame(spark, queue_ends), rules)
+                     .coalesce(1), table_path(wh, QUEUES), QUEUES.path, "overwrite")
+    if writing and (c["committed"] or c["rolled_back"]):
+        writes.start(T.resolved_rows(won, rules), table_path(wh, RESOLVED), RESOLVED.path,
+                     "append")
+    known = T.known_messages(messages, discard_hist)
+    if writing and delivered_by_topic:  # the biggest write: started before the others are planned
+        delivered = T.with_bodies(T.queue_positions(won, queues), known,
+                                  broadcast=c["committed"] <= BROADCAST_MAX_ROWS)
+        start_deliveries(wh, T.deliveries(delivered, rules), delivered_by_topic, writes)
+    few_won = c["committed"] + c["rolled_back"] <= BROADCAST_MAX_ROWS
+    undecided = T.remaining_pending(live, won, broadcast=few_won)
+    decided = held.checkpoint(counted.fates(
+        T.decide(T.apply_answers(undecided, answers), rules), rules))
+    c = {k: v for k, v in counted.values().items() if not k.startswith("_")}
+    # no new version: nothing to count, and no Spark job to wait for
+    c["answers_read"] = (answers.count() if record.answers_version > record.prev_answers_version
+                         else 0)
+    undelivered = T.with_bodies(decided, known,
+                                broadcast=_undelivered_rows(c) <= BROADCAST_MAX_ROWS)
+    if writing and len(_tables_of_undelivered(c)) > 1:
+        undelivered = held.checkpoint(undelivered)
+
+    def with_decision(*decisions: str):
+        return undelivered.where(F.col("decision").isin(*decisions))
+
+    return Outputs(
+        requests=T.check_requests(with_decision(Decision.CHECK), rules),
+        discards=T.discards(with_decision(Decision.EXPIRED, Decision.MAX_CHECKS), rules),
+        rejected=rejected_halves.unionByName(T.op_rejections(classified, rules)),
+        pending=T.next_pending(with_decision(Decision.CHECK, Decision.WAIT), rules),
+        counts=c, delivered_by_topic=delivered_by_topic)
+
+
+def _undelivered_rows(c: dict) -> int:
+    """How many messages this run discards or keeps pending: its fates but deliveries."""
+    return c["pending_after"] + c["discarded_max_checks"] + c["discarded_expired"]
+
+
+def _tables_of_undelivered(c: dict) -> list[str]:
+    """The tables this run writes from the messages it does not deliver."""
+    wanted = {CHECK_REQUESTS.path: c["check_requests"],
+              DISCARD.path: c["discarded_max_checks"] or c["discarded_expired"],
+              PENDING.path: _pending_changed(c)}
+    return [table for table, written in wanted.items() if written]
+
+
+def _with_history(spark, wh: str, record: state.RunRecord, classified, held: Held,
+                  counted: Counters):
+    """(`classified` (`T.classify_ops` against the live messages), corrected
+    for the OPs that match no live message by what the resolved and discard
+    tables say of their messages; the discard rows read: an ADMIN OP may
+    deliver a discarded message).
+
+    Usually there are no such OPs (`counted` says so), and the history is
+    not read at all; otherwise only the files whose statistics may hold
+    their offsets.
+    """
+    if not counted.values()["_unknown_offset_ops"]:
+        return classified, state.empty(spark, DISCARD)
+    keys = [r[0] for r in T.unmatched_op_keys(classified).collect()]
+    resolved = state.read_state(spark, wh, record.state_versions, RESOLVED)
+    discarded = state.read_state(spark, wh, record.state_versions, DISCARD)
+    wanted = local_frame(spark, [(k,) for k in keys], _HALF_OFFSETS)
+    if len(keys) <= HISTORY_IN_LIST_MAX:
+        resolved = resolved.where(resolved.half_offset.isin(keys))
+        discarded = discarded.where(discarded.half_offset.isin(keys))
+    else:
+        resolved = resolved.join(wanted, "half_offset", "left_semi")
+        discarded = discarded.join(wanted, "half_offset", "left_semi")
+    history = T.history_targets(resolved, discarded)
+    reclassified = T.reclassify_with_history(classified, wanted, history)
+    return held.checkpoint(counted.ops(reclassified)), discarded
+
+
+def _delivered_by_topic(queue_ends: list[tuple]) -> dict[str, int]:
+    by_topic: dict[str, int] = {}
+    for topic, _queue_id, n, _last in queue_ends:
+        by_topic[topic] = by_topic.get(topic, 0) + n
+    return dict(sorted(by_topic.items()))
+
+
+def _queue_ends_frame(spark, queue_ends: list[tuple]):
+    """`T.queue_ends` as the rows `T.next_queues` takes (the last
+    delivered queue_offset of each queue)."""
+    return local_frame(spark, [(t, q, last) for t, q, _n, last in queue_ends], _QUEUE_ENDS)
+
+
+def write_outputs(wh: str, out: Outputs, writes: RunWrites) -> None:
+    """Write every output table of the run but those `compute` started
+    (`_sys/queues`, `_sys/resolved`, the topics), and wait for all."""
+    for df, path, app, mode in _output_writes(wh, out):
+        writes.start(df, path, app, mode)
+    writes.finish()
+
+
+def _output_writes(wh: str, out: Outputs) -> list[tuple]:
+    """(DataFrame, table path, app id, save mode) of each table this run
+    changes, but those `compute` starts."""
+    c = out.counts
+    frames = {CHECK_REQUESTS: (out.requests, "append"), DISCARD: (out.discards, "append"),
+              PENDING: (out.pending, "overwrite")}
+    writes = [(df, table_path(wh, table), table.path, mode)
+              for table, (df, mode) in frames.items()
+              if table.path in _tables_of_undelivered(c)]
+    if c["rejected_halves"] or c["invalid_ops"] or c["late_ops"]:
+        writes.append((out.rejected, table_path(wh, REJECTED), REJECTED.path, "append"))
+    return writes
+
+
+def _pending_changed(c: dict) -> bool:
+    """Whether the pending set differs from the one read (else keep the table as is)."""
+    return any(c[k] for k in ("half_read", "committed", "rolled_back", "check_requests",
+                              "discarded_max_checks", "discarded_expired", "answers_read"))

@@ -1,0 +1,290 @@
+"""A run's lifecycle: the lease, the redo of an unfinished run, the intent,
+the outputs (`jobs.pipeline`), the COMMITTED record.
+
+A run, under the job's lease (exit 75 when another run holds it):
+  1. if the latest run has an intent but no COMMITTED record, redo exactly
+     that run (same input versions, state versions, clock and rules);
+  2. record the new run's intent (STARTED row of `_sys/runs`);
+  3. compute its outputs, write each table in a commit tagged with the run
+     number (`jobs.writes`), then the COMMITTED row.
+A crash between any two writes leaves an intent that step 1 completes, and
+the redo skips the writes whose tagged commit it finds (I4,
+`state.write_for_run`). A dry run computes the run that would be done next
+and writes nothing.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, fields
+
+from jobs import state
+from jobs import transforms as T
+from jobs.faults import InjectedFault, fault_point
+from jobs.held import Held
+from jobs.lease import Lease
+from jobs.pipeline import Outputs, compute, write_outputs
+from jobs.session import use_warehouse
+from jobs.writes import RunWrites
+from schemas import HALF, table_path
+from txn_core.config import Config, ConfigError, as_config
+from txn_core.vocabulary import RunStatus
+
+__all__ = ["RunSummary", "idle_ahead", "reconcile", "recover"]
+
+
+@dataclass
+class RunSummary(state.InputVersions):
+    """SPEC §5.3 counters of one run, plus the input versions it read."""
+
+    run_id: str
+    now_ms: int
+    half_read: int
+    op_read: int
+    pending_before: int
+    pending_after: int
+    committed: int
+    rolled_back: int
+    check_requests: int
+    discarded_max_checks: int
+    discarded_expired: int
+    duplicate_ops: int
+    conflicting_ops: int
+    invalid_ops: int
+    late_ops: int
+    delivered_by_topic: dict[str, int]
+    oldest_pending_age_ms: int | None
+    duration_ms: int
+    run_number: int
+    rejected_halves: int = 0
+    #: the earliest now_ms at which a pending message becomes due for a check
+    #: or a discard under this run's rules (None: nothing pending)
+    next_due_ms: int | None = None
+    #: True when nothing was new and nothing due: only the run record was written
+    idle: bool = False
+    dry_run: bool = False
+    #: run_id of an interrupted run this invocation completed first, if any
+    redone_run_id: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=False)
+
+
+def reconcile(spark, config: Config | dict, now_ms: int | None = None, *,
+              dry_run: bool = False, lease: Lease | None = None,
+              clock=time.time) -> RunSummary:
+    """Run the job once (after completing an interrupted run, if any).
+
+    `now_ms` fixes the clock of every time rule (default: the wall clock).
+    `lease`: one already acquired by the caller (the CLI takes it before
+    starting Spark); otherwise the run acquires and releases its own, with
+    `clock` as the lease's wall clock. Raises LeaseHeld when another run
+    holds the lease.
+    """
+    cfg = as_config(config)
+    if now_ms is not None and (not isinstance(now_ms, int) or now_ms < 0):
+        raise ConfigError(f"now_ms must be a non-negative integer (ms); got {now_ms!r}")
+    use_warehouse(spark, cfg)
+    if dry_run:
+        return _dry_run(spark, cfg, now_ms)
+    own = lease is None
+    if own:
+        lease = Lease(cfg.warehouse, cfg.lease_ttl_s, clock=clock).acquire()
+    crashed = False
+    try:
+        fault_point("after_lease")
+        with lease.renewed():
+            return _locked_run(spark, cfg, now_ms, lease)
+    except InjectedFault:
+        crashed = True  # behave as a killed process: the lease stays until it expires
+        raise
+    finally:
+        if own and not crashed:
+            lease.release()
+
+
+def recover(spark, config: Config | dict, *, clock=time.time) -> RunSummary | None:
+    """Only complete an interrupted run, if there is one (its summary, else None)."""
+    cfg = as_config(config)
+    use_warehouse(spark, cfg)
+    lease = Lease(cfg.warehouse, cfg.lease_ttl_s, clock=clock).acquire()
+    try:
+        _ensure_tables(cfg.warehouse)
+        last = state.last_run(cfg.warehouse)
+        if last is None or last.status != RunStatus.STARTED:
+            return None
+        with lease.renewed():
+            return _execute(spark, cfg.warehouse, last, lease, redo=True).summary
+    finally:
+        lease.release()
+
+
+def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSummary:
+    wh = cfg.warehouse
+    _ensure_tables(wh)
+    last = state.last_run(wh)
+    redone = None
+    if last is not None and last.status == RunStatus.STARTED:
+        # Same input versions, state versions, clock and rules as the first
+        # attempt: the writes it made are skipped, the others done.
+        last = _execute(spark, wh, last, lease, redo=True).record
+        redone = last.run_id
+    intent = _new_intent(spark, wh, last, cfg, now_ms)
+    lease.keep_alive()
+    if _nothing_to_do(last, intent):
+        summary = _record_idle_run(wh, last, intent)
+    else:
+        state.write_run_record(wh, intent)
+        fault_point("after_intent")
+        summary = _execute(spark, wh, intent, lease).summary
+    summary.redone_run_id = redone
+    if intent.run_number % state.COMPACT_EVERY_RUNS == 0:
+        lease.keep_alive()
+        state.compact_job_tables(spark, wh)
+    return summary
+
+
+def _nothing_to_do(last: state.RunRecord | None, intent: state.RunRecord) -> bool:
+    """No input table has a new version since `last`, its rules are the same,
+    and its pending set has nothing due at the intent's clock: a full run
+    would write nothing but its run records."""
+    if last is None or last.status != RunStatus.COMMITTED:
+        return False
+    unchanged = ((last.half_version, last.op_version, last.answers_version)
+                 == (intent.half_version, intent.op_version, intent.answers_version))
+    same_rules = T.Rules.from_json(last.rules_json).same_rules(
+        T.Rules.from_json(intent.rules_json))
+    pending, due = last.counters.get("pending_after"), last.counters.get("next_due_ms")
+    nothing_due = pending == 0 or (due is not None and intent.now_ms < due)
+    return unchanged and same_rules and nothing_due
+
+
+def idle_ahead(config: Config | dict, now_ms: int | None = None) -> bool:
+    """Whether the next run would have nothing to do, judged from the Delta logs
+    alone (delta-rs), so before any JVM starts. Only a prediction: data that
+    arrives between this call and the run makes a full run, as it should."""
+    cfg = as_config(config)
+    use_warehouse(None, cfg)
+    last = state.last_run(cfg.warehouse)
+    if last is None:
+        return False
+    intent = _new_intent(None, cfg.warehouse, last, cfg, now_ms)
+    return (_nothing_to_do(last, intent)
+            and intent.run_number % state.COMPACT_EVERY_RUNS != 0)
+
+
+def _record_idle_run(wh: str, last: state.RunRecord,
+                     intent: state.RunRecord) -> RunSummary:
+    """The run record of a run with nothing to do, written as one COMMITTED
+    row: with no other write there is nothing for an intent to make atomic."""
+    started = time.time()
+    prev = last.counters
+    oldest = prev.get("oldest_pending_age_ms")
+    summary = RunSummary(
+        run_id=intent.run_id, now_ms=intent.now_ms, half_read=0, op_read=0,
+        pending_before=prev["pending_after"], pending_after=prev["pending_after"],
+        committed=0, rolled_back=0, check_requests=0, discarded_max_checks=0,
+        discarded_expired=0, duplicate_ops=0, conflicting_ops=0, invalid_ops=0, late_ops=0,
+        delivered_by_topic={},
+        # the same messages, older by the time since the last run
+        oldest_pending_age_ms=(None if oldest is None
+                               else max(oldest + intent.now_ms - last.now_ms, 0)),
+        duration_ms=0, run_number=intent.run_number, **intent.input_versions(),
+        next_due_ms=prev.get("next_due_ms"), idle=True)
+    summary.duration_ms = int((time.time() - started) * 1000)
+    _commit(wh, intent, summary)
+    return summary
+
+
+def _dry_run(spark, cfg: Config, now_ms: int | None) -> RunSummary:
+    last = state.last_run(cfg.warehouse)
+    record = (last if last is not None and last.status == RunStatus.STARTED
+              else _new_intent(spark, cfg.warehouse, last, cfg, now_ms))
+    summary = _execute(spark, cfg.warehouse, record, lease=None, write=False).summary
+    summary.dry_run = True
+    return summary
+
+
+def _ensure_tables(warehouse: str) -> None:
+    if not state.is_delta(table_path(warehouse, HALF)):
+        from txn_core.tables import ensure_broker_tables
+        ensure_broker_tables(warehouse)
+    state.ensure_job_tables(warehouse)
+
+
+def _new_intent(spark, wh: str, last: state.RunRecord | None, cfg: Config,
+                now_ms: int | None) -> state.RunRecord:
+    paths = state.input_paths(wh)
+    # OPs first, halves after: every OP read then has its half in the half
+    # snapshot, because a producer writes an OP only after its half is durable.
+    op_v = state.latest_version(paths["op"])
+    half_v = state.latest_version(paths["half"])
+    answers_v = state.latest_version(paths["answers"])
+    versions = {t.path: state.latest_version(table_path(wh, t))
+                for t in state.STATE_TABLES}
+    number = (last.run_number if last else 0) + 1
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    run_id = f"run-{number:08d}-{now}"
+    rules = T.Rules.from_config(cfg, run_id=run_id, run_number=number, now_ms=now)
+    nothing = state.NO_VERSION
+    return state.RunRecord(
+        run_id=run_id, run_number=number, status=RunStatus.STARTED, now_ms=now,
+        started_ms=int(time.time() * 1000),
+        half_version=half_v, op_version=op_v, answers_version=answers_v,
+        prev_half_version=last.half_version if last else nothing,
+        prev_op_version=last.op_version if last else nothing,
+        prev_answers_version=last.answers_version if last else nothing,
+        state_versions=versions, rules_json=rules.to_json())
+
+
+@dataclass
+class _Executed:
+    record: state.RunRecord
+    summary: RunSummary
+
+
+def _execute(spark, wh: str, record: state.RunRecord, lease: Lease | None,
+             write: bool = True, redo: bool = False) -> _Executed:
+    """Compute the run of `record` and, if `write`, write it; `redo`: a
+    crashed attempt of this run may have written some of its tables."""
+    started = time.time()
+    rules = T.Rules.from_json(record.rules_json)
+    held = Held()
+    writes = RunWrites(record.run_number, lease, redo) if write else None
+    try:
+        out = compute(spark, wh, record, rules, held, writes)
+        if writes is not None:
+            write_outputs(wh, out, writes)
+        summary = _summary(record, out, int((time.time() - started) * 1000))
+        if write:
+            lease.keep_alive()
+            record = _commit(wh, record, summary)
+        return _Executed(record, summary)
+    finally:
+        if writes is not None:
+            writes.close()  # before the kept rows they read are freed
+        held.release()
+
+
+def _summary(record: state.RunRecord, out: Outputs, duration_ms: int) -> RunSummary:
+    c = out.counts
+    names = {f.name for f in fields(RunSummary)}
+    values = {k: v for k, v in c.items() if k in names}
+    return RunSummary(
+        run_id=record.run_id, now_ms=record.now_ms, delivered_by_topic=out.delivered_by_topic,
+        duration_ms=duration_ms, run_number=record.run_number, **record.input_versions(),
+        **values)
+
+
+def _commit(wh: str, record: state.RunRecord, summary: RunSummary) -> state.RunRecord:
+    d = summary.to_dict()
+    done = state.RunRecord(**{**record.__dict__, "status": RunStatus.COMMITTED,
+                              "ended_ms": int(time.time() * 1000),
+                              "counters": d, "delivered_by_topic": summary.delivered_by_topic,
+                              "summary_json": summary.to_json()})
+    state.write_run_record(wh, done)
+    fault_point("after_commit")
+    return done
