@@ -9,3 +9,7 @@ from schemas.tables import (  # noqa: F401
     PENDING, PRODUCERS, QUEUES, REJECTED, RESOLVED, RUNS, TOPIC, Column, TableSchema,
     table_path, topic_path,
 )
+
+__all__ = ["ALL_TABLES", "CHECK_ANSWERS", "CHECK_REQUESTS", "DISCARD", "DISTINCT_COLUMNS", "HALF",
+           "LEASE", "OP", "PENDING", "PRODUCERS", "QUEUES", "REJECTED", "RESOLVED", "RUNS",
+           "TOPIC", "Column", "TableSchema", "table_path", "topic_path"]

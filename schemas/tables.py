@@ -44,7 +44,7 @@ DISTINCT_COLUMNS = frozenset({"half_offset", "op_offset", "queue_offset", "trans
                               "msg_id", "request_id", "keys", "body"})
 
 
-def _cols(*specs: tuple) -> tuple[Column, ...]:
+def _cols(*specs: tuple[str, str] | tuple[str, str, bool]) -> tuple[Column, ...]:
     return tuple(Column(*s) for s in specs)
 
 

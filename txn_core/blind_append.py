@@ -25,7 +25,7 @@ import json
 import os
 import time
 import uuid
-from typing import Protocol
+from typing import Any, Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -75,7 +75,7 @@ def _has_stats(type_: pa.DataType) -> bool:
     """The column types whose statistics the appender writes as delta-rs does:
     null count, and min/max (full values) when there is a non-null value.
     delta-rs writes none for binary and map columns."""
-    return pa.types.is_integer(type_) or pa.types.is_string(type_)
+    return bool(pa.types.is_integer(type_) or pa.types.is_string(type_))
 
 
 class BlindAppender:
@@ -234,16 +234,20 @@ def _checkpoint_interval(table: DeltaTable) -> int:
     return int(table.metadata().configuration.get("delta.checkpointInterval", "100"))
 
 
+#: a log entry ready to be put: a staged file's path (local disk) or its bytes (S3)
+Staged = str | bytes
+
+
 class _Store(Protocol):
     """Where a table's files and log entries are written."""
 
     remote: bool
 
-    def write_file(self, name: str, data) -> None: ...
+    def write_file(self, name: str, data: pa.Buffer) -> None: ...
     def remove(self, name: str) -> None: ...
-    def stage(self, entry: bytes, tag: str): ...
-    def unstage(self, staged) -> None: ...
-    def put_entry(self, version: int, staged) -> bool: ...
+    def stage(self, entry: bytes, tag: str) -> Staged: ...
+    def unstage(self, staged: Staged) -> None: ...
+    def put_entry(self, version: int, staged: Staged) -> bool: ...
     def read_entry(self, version: int) -> bytes | None: ...
     def remove_entry(self, version: int) -> None: ...
     def entry_exists(self, version: int) -> bool: ...
@@ -261,22 +265,24 @@ class _LocalStore:
         self._root = root
         self._log = os.path.join(root, LOG_DIR)
 
-    def write_file(self, name: str, data) -> None:
+    def write_file(self, name: str, data: pa.Buffer) -> None:
         _write_new_file(os.path.join(self._root, name), data)
 
     def remove(self, name: str) -> None:
         _remove_quietly(os.path.join(self._root, name))
 
-    def stage(self, entry: bytes, tag: str) -> str:
+    def stage(self, entry: bytes, tag: str) -> Staged:
         staged = os.path.join(self._log, f"_commit_{tag}.json.tmp")
         _write_new_file(staged, entry)
         return staged
 
-    def unstage(self, staged: str) -> None:
+    def unstage(self, staged: Staged) -> None:
+        assert isinstance(staged, str)
         _remove_quietly(staged)
 
-    def put_entry(self, version: int, staged: str) -> bool:
+    def put_entry(self, version: int, staged: Staged) -> bool:
         # A hard link fails if the version exists: delta-rs' own primitive here.
+        assert isinstance(staged, str)
         try:
             os.link(staged, os.path.join(self._log, entry_name(version)))
             return True
@@ -318,20 +324,19 @@ class _S3Store:
     def _entry_key(self, version: int) -> str:
         return self._key(f"{LOG_DIR}/{entry_name(version)}")
 
-    def write_file(self, name: str, data) -> None:
-        self._client.put_object(Bucket=self._bucket, Key=self._key(name), Body=data.to_pybytes()
-                                if hasattr(data, "to_pybytes") else data)
+    def write_file(self, name: str, data: pa.Buffer) -> None:
+        self._client.put_object(Bucket=self._bucket, Key=self._key(name), Body=data.to_pybytes())
 
     def remove(self, name: str) -> None:
         self._delete(self._key(name))
 
-    def stage(self, entry: bytes, tag: str) -> bytes:
+    def stage(self, entry: bytes, tag: str) -> Staged:
         return entry
 
-    def unstage(self, staged: bytes) -> None:
+    def unstage(self, staged: Staged) -> None:
         pass
 
-    def put_entry(self, version: int, staged: bytes) -> bool:
+    def put_entry(self, version: int, staged: Staged) -> bool:
         from botocore.exceptions import ClientError
         while True:
             try:
@@ -348,8 +353,8 @@ class _S3Store:
     def read_entry(self, version: int) -> bytes | None:
         from botocore.exceptions import ClientError
         try:
-            return self._client.get_object(Bucket=self._bucket,
-                                           Key=self._entry_key(version))["Body"].read()
+            return bytes(self._client.get_object(Bucket=self._bucket,
+                                                 Key=self._entry_key(version))["Body"].read())
         except ClientError as exc:
             if _status(exc) == 404:
                 return None
@@ -389,11 +394,13 @@ class _S3Store:
             pass  # an unreferenced file: vacuum removes it later
 
 
-def _status(exc) -> int | None:
-    return exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+def _status(exc: Any) -> int | None:
+    """The HTTP status of a botocore ClientError."""
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return None if status is None else int(status)
 
 
-def _write_new_file(path: str, data) -> None:
+def _write_new_file(path: str, data: bytes | pa.Buffer) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.write(fd, data)

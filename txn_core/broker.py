@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from dataclasses import replace
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, overload
 
 import pyarrow.compute as pc
 from deltalake import DeltaTable
@@ -22,7 +22,7 @@ from schemas import HALF, OP, table_path
 from schemas.arrow import arrow_schema
 from txn_core.config import Config, absolute_warehouse
 from txn_core.errors import BrokerClosedError, PersistError
-from txn_core.group_commit import DirectWriter, GroupCommitWriter, WriterStats
+from txn_core.group_commit import Columns, DirectWriter, GroupCommitWriter, WriterStats
 from txn_core.log_trim import job_cursor
 from txn_core.message import Message, validate_group
 from txn_core.offsets import OffsetAllocator, register_epoch
@@ -58,6 +58,8 @@ class Broker:
         self._offsets = OffsetAllocator(
             register_epoch(producers, self.broker_id, clock()),
             lambda: register_epoch(producers, self.broker_id, clock()))
+        self._half: GroupCommitWriter | DirectWriter
+        self._op: GroupCommitWriter | DirectWriter
         if group_commit:
             # The log is trimmed behind the job's cursor (txn_core.log_trim).
             self._half = GroupCommitWriter(
@@ -120,7 +122,7 @@ class Broker:
 
     # --- writes -------------------------------------------------------------------
 
-    def store_halves(self, group: str, messages: list[Message]) -> list[Message]:
+    def store_halves(self, group: str, messages: Sequence[Message]) -> StoredMessages:
         """Persist half rows for `messages` in one commit; return copies with ids set.
 
         Returns only once the rows are durable (committed); raises PersistError
@@ -132,7 +134,7 @@ class Broker:
         offsets = self._offsets.take(n)
         ids = new_message_ids(n)
         bodies = [m.body if type(m.body) is bytes else bytes(m.body) for m in messages]
-        columns = {
+        columns: Columns = {
             "half_offset": offsets,
             "transaction_id": ids,
             "msg_id": ids,
@@ -194,12 +196,12 @@ class Broker:
         return self.store_ops([half["half_offset"]], [transaction_id], half["producer_group"],
                               Action.COMMIT if commit else Action.ROLLBACK, Source.ADMIN, remark)[0]
 
-    def find_half(self, transaction_id: str) -> dict:
+    def find_half(self, transaction_id: str) -> dict[str, Any]:
         """The half row of `transaction_id` (a full scan: for operators, not hot paths)."""
         # Its own handle: the writer's belongs to the writer thread.
         table = DeltaTable(table_path(self.warehouse, HALF),
                            storage_options=options_for(self.warehouse, self.storage_options))
-        rows = table.to_pyarrow_dataset().to_table(
+        rows: list[dict[str, Any]] = table.to_pyarrow_dataset().to_table(
             columns=["half_offset", "producer_group", "topic"],
             filter=pc.field("transaction_id") == transaction_id).to_pylist()
         if not rows:
@@ -220,7 +222,7 @@ class Broker:
     def __enter__(self) -> "Broker":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _check_open(self) -> None:
@@ -236,7 +238,8 @@ class Broker:
     def committers(self) -> dict[str, str]:
         """Per producer table, how its commits are made: "blind append" on a
         local disk, "delta-rs" on an object store (`GroupCommitWriter.committer`)."""
-        if not isinstance(self._half, GroupCommitWriter):
+        if not (isinstance(self._half, GroupCommitWriter)
+                and isinstance(self._op, GroupCommitWriter)):
             return {HALF.path: "delta-rs", OP.path: "delta-rs"}
         return {HALF.path: self._half.committer, OP.path: self._op.committer}
 
@@ -244,7 +247,8 @@ class Broker:
     def writer_stats(self) -> dict[str, WriterStats]:
         """Per producer table, what its group-commit writer has done and where
         its time went (`WriterStats`); empty without group commit."""
-        if not isinstance(self._half, GroupCommitWriter):
+        if not (isinstance(self._half, GroupCommitWriter)
+                and isinstance(self._op, GroupCommitWriter)):
             return {}
         return {HALF.path: self._half.stats(), OP.path: self._op.stats()}
 
@@ -278,7 +282,13 @@ class StoredMessages(Sequence[Message]):
     def __len__(self) -> int:
         return len(self._ids)
 
-    def __getitem__(self, index):
+    @overload
+    def __getitem__(self, index: int) -> Message: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Message]: ...
+
+    def __getitem__(self, index: int | slice) -> Message | list[Message]:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         index = range(len(self))[index]

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError, DeltaError
 
-from schemas import CHECK_ANSWERS, CHECK_REQUESTS
+from schemas import CHECK_ANSWERS, CHECK_REQUESTS, TableSchema
 from schemas.arrow import arrow_schema
 from txn_core.message import LocalTransactionState, Message
 from txn_core.tables import open_existing
@@ -126,7 +126,7 @@ class CheckAnswerer:
                                    [f"check {rid}" for _, _, rid in ops])
         return len(won)
 
-    def _record_answers(self, answers: list[dict]) -> set[str]:
+    def _record_answers(self, answers: list[dict[str, object]]) -> set[str]:
         """Insert answers whose request has none yet; return the request ids inserted."""
         table = self._broker.table(CHECK_ANSWERS.path)
         source = pa.Table.from_pylist(answers, schema=arrow_schema(CHECK_ANSWERS))
@@ -153,7 +153,8 @@ class CheckAnswerer:
         raise RuntimeError("could not record check answers after 100 attempts")
 
 
-def _run_check(check, msg: Message) -> tuple[LocalTransactionState, str | None]:
+def _run_check(check: Callable[[Message], LocalTransactionState],
+               msg: Message) -> tuple[LocalTransactionState, str | None]:
     try:
         state = check(msg)
     except Exception as exc:  # noqa: BLE001 - a listener's failure is an ERROR answer
@@ -166,7 +167,7 @@ def _run_check(check, msg: Message) -> tuple[LocalTransactionState, str | None]:
         return LocalTransactionState.UNKNOWN, f"check_local_transaction returned {state!r}"
 
 
-def _normalise(table: pa.Table, like=CHECK_REQUESTS) -> pa.Table:
+def _normalise(table: pa.Table, like: TableSchema = CHECK_REQUESTS) -> pa.Table:
     """delta-rs hands back view types (string_view…) that compute kernels refuse;
     cast to the schema's plain types (CDF's `_change_type` to string)."""
     schema = arrow_schema(like)

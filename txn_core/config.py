@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import tomllib
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 ENV_PREFIX = "TXN_"
 
@@ -110,7 +110,7 @@ class Config:
 
 
 # key -> (type, validator, description of the accepted range)
-_SPECS: dict[str, tuple[type, Any, str]] = {
+_SPECS: dict[str, tuple[type, Callable[[Any], bool], str]] = {
     "warehouse": (str, lambda v: bool(v.strip()), "a non-empty path or URI"),
     "transaction_timeout_ms": (int, lambda v: 0 <= v <= 2**40, "an integer from 0 to 2^40 (ms)"),
     "check_max": (int, lambda v: 0 <= v <= 1_000_000, "an integer from 0 to 1000000"),
@@ -167,7 +167,7 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     return values
 
 
-def _from_file(path: str | os.PathLike) -> dict[str, Any]:
+def _from_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
@@ -182,7 +182,7 @@ def _from_file(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-def load_config(path: str | os.PathLike | None = None, *,
+def load_config(path: str | os.PathLike[str] | None = None, *,
                 env: Mapping[str, str] | None = None, **overrides: Any) -> Config:
     """Read the configuration: overrides > `TXN_*` environment > TOML file > defaults.
 

@@ -11,6 +11,8 @@ reads each message once.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import pyarrow.compute as pc
 from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
@@ -24,7 +26,7 @@ from txn_core.tables import MissingTableError
 
 def read_topic(warehouse: str | Config, topic: str, *, queue_id: int | None = None,
                from_queue_offset: int = 0, limit: int | None = None,
-               storage_options: dict[str, str] | None = None) -> list[dict]:
+               storage_options: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Delivered messages of `topic`, in (queue_id, queue_offset) order.
 
     `warehouse` is a path or URI, or a Config (an S3 warehouse's endpoint
@@ -47,4 +49,5 @@ def read_topic(warehouse: str | Config, topic: str, *, queue_id: int | None = No
     rows = rows.sort_by([("queue_id", "ascending"), ("queue_offset", "ascending")])
     if limit is not None:
         rows = rows.slice(0, limit)
-    return rows.to_pylist()
+    messages: list[dict[str, Any]] = rows.to_pylist()
+    return messages

@@ -37,7 +37,7 @@ class MaintenanceReport:
     vacuumed_files: int = 0
     trimmed_log_entries: int = 0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, int | dict[str, int]]:
         return {"compacted_files": self.compacted_files, "purged_halves": self.purged_halves,
                 "purged_ops": self.purged_ops, "vacuumed_files": self.vacuumed_files,
                 "trimmed_log_entries": self.trimmed_log_entries}

@@ -162,7 +162,7 @@ def _validate_properties(properties: object) -> None:
                                              "the control characters \\x01 or \\x02")
 
 
-def validate_batch(messages: object, max_body_bytes: int) -> list[Message]:
+def validate_batch(messages: object, max_body_bytes: int) -> Sequence[Message]:
     """RocketMQ's batch rules: non-empty, one topic, no delay; each message valid."""
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
         raise MessageValidationError("messages", "must be a sequence of Message")

@@ -14,6 +14,7 @@ import random
 import socket
 import threading
 import time
+from typing import Callable
 
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, write_deltalake
@@ -59,7 +60,7 @@ class OffsetAllocator:
     callable returning a fresh epoch) is asked for another.
     """
 
-    def __init__(self, epoch: int, renew):
+    def __init__(self, epoch: int, renew: Callable[[], int]):
         self._epoch = epoch
         self._renew = renew
         self._counter = itertools.count()

@@ -64,8 +64,9 @@ class TransactionProducer:
         validate_message(msg, self.broker.config.max_body_bytes)
         stored = self.broker.store_halves(self.group, [msg])
         state, error = _execute(listener, stored[0], arg)
-        result = SendResult(transaction_id=stored[0].transaction_id, msg_id=stored[0].msg_id,
-                            half_offset=stored[0].half_offset, local_state=state, error=error)
+        result = SendResult(transaction_id=stored.transaction_ids[0],
+                            msg_id=stored.transaction_ids[0], half_offset=stored.half_offsets[0],
+                            local_state=state, error=error)
         result.op_written, result.op_error = self._report(state, stored)
         return result
 
@@ -135,7 +136,7 @@ class TransactionProducer:
             self._stop.wait(poll_s)
 
     def _check_state(self, msg: Message) -> LocalTransactionState:
-        return self.listener.check_local_transaction(msg)
+        return self._require_listener().check_local_transaction(msg)
 
     def close(self) -> None:
         self._stop.set()
@@ -146,12 +147,12 @@ class TransactionProducer:
     def __enter__(self) -> "TransactionProducer":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def _execute(listener: TransactionListener, msg, arg) -> tuple[LocalTransactionState,
-                                                               BaseException | None]:
+def _execute(listener: TransactionListener, msg: Message | Sequence[Message],
+             arg: Any) -> tuple[LocalTransactionState, BaseException | None]:
     try:
         state = listener.execute_local_transaction(msg, arg)
     except Exception as exc:  # noqa: BLE001 - RocketMQ: an exception means UNKNOW

@@ -124,7 +124,7 @@ class Storage:
                 self.endpoint.startswith("https://")).lower()
         return options
 
-    def s3_client(self):
+    def s3_client(self) -> Any:  # a botocore S3 client: boto3 has no annotations
         """A boto3 S3 client for this store (boto3 is the `s3` extra)."""
         try:
             import boto3

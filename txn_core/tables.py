@@ -9,6 +9,7 @@ write them (SPEC §2).
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -93,7 +94,7 @@ def lease_table(warehouse: str, storage_options: dict[str, str] | None = None) -
 
 
 def latest_run_rows(warehouse: str, columns: list[str] | None = None,
-                    storage_options: dict[str, str] | None = None) -> list[dict]:
+                    storage_options: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """The `_sys/runs` rows (STARTED and/or COMMITTED) of the highest run
     number, read with delta-rs; [] before the job's first run.
 
@@ -117,7 +118,9 @@ def latest_run_rows(warehouse: str, columns: list[str] | None = None,
         top = pc.max(runs.to_table(columns=["run_number"])["run_number"]).as_py()
     if top is None:
         return []
-    return runs.to_table(columns=columns, filter=pc.field("run_number") == top).to_pylist()
+    rows: list[dict[str, Any]] = runs.to_table(
+        columns=columns, filter=pc.field("run_number") == top).to_pylist()
+    return rows
 
 
 def empty(table: TableSchema) -> pa.Table:
