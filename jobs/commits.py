@@ -11,7 +11,7 @@ queues). Here the files are what Delta's writer would write (Spark's parquet
 writer, the session's settings), moved into the table's directory, and the
 commit is the Delta commit of their `add` actions (and, for an overwrite,
 the `remove` of every file they replace), tagged with the run like every
-write of the job (`state.write_for_run`). Statistics are taken from the
+write of the job (`tagged_writes.write_for_run`). Statistics are taken from the
 files' footers, which the parquet writer fills anyway.
 
 Used only where that commit is exactly what Delta's writer would commit

@@ -8,16 +8,18 @@ from dataclasses import dataclass, field
 from pyspark.sql import functions as F
 from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
 
-from jobs import state
+from jobs import inputs, run_log
 from jobs import transforms as T
 from jobs.counters import Counters
 from jobs.held import Held
 from jobs.local import local_frame
 from jobs.writes import RunWrites, start_deliveries
 from schemas import (
+    CHECK_ANSWERS,
     CHECK_REQUESTS,
     DISCARD,
     HALF,
+    OP,
     PENDING,
     QUEUES,
     REJECTED,
@@ -61,7 +63,7 @@ class Outputs:
     delivered_by_topic: dict = field(default_factory=dict)
 
 
-def compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held,
+def compute(spark, wh: str, record: run_log.RunRecord, rules: T.Rules, held: Held,
             writes: RunWrites | None) -> Outputs:
     """The run's outputs (`jobs.transforms`' docstring has the order).
 
@@ -81,15 +83,15 @@ def compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held,
     read.
     """
     writing = writes is not None
-    paths = state.input_paths(wh)
-    ops = state.added_rows(spark, paths["op"], state.OP, record.prev_op_version,
+    paths = inputs.input_paths(wh)
+    ops = inputs.added_rows(spark, paths["op"], OP, record.prev_op_version,
                            record.op_version)
-    half = state.added_rows(spark, paths["half"], HALF, record.prev_half_version,
+    half = inputs.added_rows(spark, paths["half"], HALF, record.prev_half_version,
                             record.half_version, keep_slow=held.cache)
-    answers = state.added_rows(spark, paths["answers"], state.CHECK_ANSWERS,
+    answers = inputs.added_rows(spark, paths["answers"], CHECK_ANSWERS,
                                record.prev_answers_version, record.answers_version)
-    pending_prev = state.read_state(spark, wh, record.state_versions, PENDING)
-    queues = state.read_state(spark, wh, record.state_versions, QUEUES)
+    pending_prev = inputs.read_state(spark, wh, record.state_versions, PENDING)
+    queues = inputs.read_state(spark, wh, record.state_versions, QUEUES)
 
     counted = Counters()
     checked = T.with_reject_reason(half)
@@ -100,7 +102,7 @@ def compute(spark, wh: str, record: state.RunRecord, rules: T.Rules, held: Held,
     # the messages again, for the bodies of those decided, without the
     # observations (counted once) or the checks: a rejected half has no fate
     messages = T.live_messages(pending_prev, half, rules)
-    no_history = T.history_targets(state.empty(spark, RESOLVED), state.empty(spark, DISCARD))
+    no_history = T.history_targets(inputs.empty(spark, RESOLVED), inputs.empty(spark, DISCARD))
     classified = held.checkpoint(counted.ops(
         T.classify_ops(ops, T.op_targets(live, no_history), discards=False)))
     classified, discard_hist = _with_history(spark, wh, record, classified, held, counted)
@@ -158,7 +160,7 @@ def _tables_of_undelivered(c: dict) -> list[str]:
     return [table for table, written in wanted.items() if written]
 
 
-def _with_history(spark, wh: str, record: state.RunRecord, classified, held: Held,
+def _with_history(spark, wh: str, record: run_log.RunRecord, classified, held: Held,
                   counted: Counters):
     """(`classified` (`T.classify_ops` against the live messages), corrected
     for the OPs that match no live message by what the resolved and discard
@@ -170,10 +172,10 @@ def _with_history(spark, wh: str, record: state.RunRecord, classified, held: Hel
     their offsets.
     """
     if not counted.values()["_unknown_offset_ops"]:
-        return classified, state.empty(spark, DISCARD)
+        return classified, inputs.empty(spark, DISCARD)
     keys = [r[0] for r in T.unmatched_op_keys(classified).collect()]
-    resolved = state.read_state(spark, wh, record.state_versions, RESOLVED)
-    discarded = state.read_state(spark, wh, record.state_versions, DISCARD)
+    resolved = inputs.read_state(spark, wh, record.state_versions, RESOLVED)
+    discarded = inputs.read_state(spark, wh, record.state_versions, DISCARD)
     wanted = local_frame(spark, [(k,) for k in keys], _HALF_OFFSETS)
     if len(keys) <= HISTORY_IN_LIST_MAX:
         resolved = resolved.where(resolved.half_offset.isin(keys))

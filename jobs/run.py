@@ -9,7 +9,7 @@ A run, under the job's lease (exit 75 when another run holds it):
      number (`jobs.writes`), then the COMMITTED row.
 A crash between any two writes leaves an intent that step 1 completes, and
 the redo skips the writes whose tagged commit it finds (I4,
-`state.write_for_run`). A dry run computes the run that would be done next
+`tagged_writes.write_for_run`). A dry run computes the run that would be done next
 and writes nothing.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, fields
 
-from jobs import state
+from jobs import inputs, job_tables, run_log
 from jobs import transforms as T
 from jobs.faults import InjectedFault, fault_point
 from jobs.held import Held
@@ -34,7 +34,7 @@ __all__ = ["RunSummary", "idle_ahead", "reconcile", "recover"]
 
 
 @dataclass
-class RunSummary(state.InputVersions):
+class RunSummary(run_log.InputVersions):
     """SPEC §5.3 counters of one run, plus the input versions it read."""
 
     run_id: str
@@ -113,7 +113,7 @@ def recover(spark, config: Config | dict, *, clock=time.time) -> RunSummary | No
     lease = Lease(cfg.warehouse, cfg.lease_ttl_s, clock=clock).acquire()
     try:
         _ensure_tables(cfg.warehouse)
-        last = state.last_run(cfg.warehouse)
+        last = run_log.last_run(cfg.warehouse)
         if last is None or last.status != RunStatus.STARTED:
             return None
         with lease.renewed():
@@ -125,7 +125,7 @@ def recover(spark, config: Config | dict, *, clock=time.time) -> RunSummary | No
 def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSummary:
     wh = cfg.warehouse
     _ensure_tables(wh)
-    last = state.last_run(wh)
+    last = run_log.last_run(wh)
     redone = None
     if last is not None and last.status == RunStatus.STARTED:
         # Same input versions, state versions, clock and rules as the first
@@ -137,17 +137,17 @@ def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSumm
     if _nothing_to_do(last, intent):
         summary = _record_idle_run(wh, last, intent)
     else:
-        state.write_run_record(wh, intent)
+        run_log.write_run_record(wh, intent)
         fault_point("after_intent")
         summary = _execute(spark, wh, intent, lease).summary
     summary.redone_run_id = redone
-    if intent.run_number % state.COMPACT_EVERY_RUNS == 0:
+    if intent.run_number % job_tables.COMPACT_EVERY_RUNS == 0:
         lease.keep_alive()
-        state.compact_job_tables(spark, wh)
+        job_tables.compact_job_tables(spark, wh)
     return summary
 
 
-def _nothing_to_do(last: state.RunRecord | None, intent: state.RunRecord) -> bool:
+def _nothing_to_do(last: run_log.RunRecord | None, intent: run_log.RunRecord) -> bool:
     """No input table has a new version since `last`, its rules are the same,
     and its pending set has nothing due at the intent's clock: a full run
     would write nothing but its run records."""
@@ -168,16 +168,16 @@ def idle_ahead(config: Config | dict, now_ms: int | None = None) -> bool:
     arrives between this call and the run makes a full run, as it should."""
     cfg = as_config(config)
     use_warehouse(None, cfg)
-    last = state.last_run(cfg.warehouse)
+    last = run_log.last_run(cfg.warehouse)
     if last is None:
         return False
     intent = _new_intent(None, cfg.warehouse, last, cfg, now_ms)
     return (_nothing_to_do(last, intent)
-            and intent.run_number % state.COMPACT_EVERY_RUNS != 0)
+            and intent.run_number % job_tables.COMPACT_EVERY_RUNS != 0)
 
 
-def _record_idle_run(wh: str, last: state.RunRecord,
-                     intent: state.RunRecord) -> RunSummary:
+def _record_idle_run(wh: str, last: run_log.RunRecord,
+                     intent: run_log.RunRecord) -> RunSummary:
     """The run record of a run with nothing to do, written as one COMMITTED
     row: with no other write there is nothing for an intent to make atomic."""
     started = time.time()
@@ -200,7 +200,7 @@ def _record_idle_run(wh: str, last: state.RunRecord,
 
 
 def _dry_run(spark, cfg: Config, now_ms: int | None) -> RunSummary:
-    last = state.last_run(cfg.warehouse)
+    last = run_log.last_run(cfg.warehouse)
     record = (last if last is not None and last.status == RunStatus.STARTED
               else _new_intent(spark, cfg.warehouse, last, cfg, now_ms))
     summary = _execute(spark, cfg.warehouse, record, lease=None, write=False).summary
@@ -209,28 +209,28 @@ def _dry_run(spark, cfg: Config, now_ms: int | None) -> RunSummary:
 
 
 def _ensure_tables(warehouse: str) -> None:
-    if not state.is_delta(table_path(warehouse, HALF)):
+    if not job_tables.is_delta(table_path(warehouse, HALF)):
         from txn_core.tables import ensure_broker_tables
         ensure_broker_tables(warehouse)
-    state.ensure_job_tables(warehouse)
+    job_tables.ensure_job_tables(warehouse)
 
 
-def _new_intent(spark, wh: str, last: state.RunRecord | None, cfg: Config,
-                now_ms: int | None) -> state.RunRecord:
-    paths = state.input_paths(wh)
+def _new_intent(spark, wh: str, last: run_log.RunRecord | None, cfg: Config,
+                now_ms: int | None) -> run_log.RunRecord:
+    paths = inputs.input_paths(wh)
     # OPs first, halves after: every OP read then has its half in the half
     # snapshot, because a producer writes an OP only after its half is durable.
-    op_v = state.latest_version(paths["op"])
-    half_v = state.latest_version(paths["half"])
-    answers_v = state.latest_version(paths["answers"])
-    versions = {t.path: state.latest_version(table_path(wh, t))
-                for t in state.STATE_TABLES}
+    op_v = job_tables.latest_version(paths["op"])
+    half_v = job_tables.latest_version(paths["half"])
+    answers_v = job_tables.latest_version(paths["answers"])
+    versions = {t.path: job_tables.latest_version(table_path(wh, t))
+                for t in job_tables.STATE_TABLES}
     number = (last.run_number if last else 0) + 1
     now = int(time.time() * 1000) if now_ms is None else now_ms
     run_id = f"run-{number:08d}-{now}"
     rules = T.Rules.from_config(cfg, run_id=run_id, run_number=number, now_ms=now)
-    nothing = state.NO_VERSION
-    return state.RunRecord(
+    nothing = job_tables.NO_VERSION
+    return run_log.RunRecord(
         run_id=run_id, run_number=number, status=RunStatus.STARTED, now_ms=now,
         started_ms=int(time.time() * 1000),
         half_version=half_v, op_version=op_v, answers_version=answers_v,
@@ -242,11 +242,11 @@ def _new_intent(spark, wh: str, last: state.RunRecord | None, cfg: Config,
 
 @dataclass
 class _Executed:
-    record: state.RunRecord
+    record: run_log.RunRecord
     summary: RunSummary
 
 
-def _execute(spark, wh: str, record: state.RunRecord, lease: Lease | None,
+def _execute(spark, wh: str, record: run_log.RunRecord, lease: Lease | None,
              write: bool = True, redo: bool = False) -> _Executed:
     """Compute the run of `record` and, if `write`, write it; `redo`: a
     crashed attempt of this run may have written some of its tables."""
@@ -269,7 +269,7 @@ def _execute(spark, wh: str, record: state.RunRecord, lease: Lease | None,
         held.release()
 
 
-def _summary(record: state.RunRecord, out: Outputs, duration_ms: int) -> RunSummary:
+def _summary(record: run_log.RunRecord, out: Outputs, duration_ms: int) -> RunSummary:
     c = out.counts
     names = {f.name for f in fields(RunSummary)}
     values = {k: v for k, v in c.items() if k in names}
@@ -279,12 +279,12 @@ def _summary(record: state.RunRecord, out: Outputs, duration_ms: int) -> RunSumm
         **values)
 
 
-def _commit(wh: str, record: state.RunRecord, summary: RunSummary) -> state.RunRecord:
+def _commit(wh: str, record: run_log.RunRecord, summary: RunSummary) -> run_log.RunRecord:
     d = summary.to_dict()
-    done = state.RunRecord(**{**record.__dict__, "status": RunStatus.COMMITTED,
+    done = run_log.RunRecord(**{**record.__dict__, "status": RunStatus.COMMITTED,
                               "ended_ms": int(time.time() * 1000),
                               "counters": d, "delivered_by_topic": summary.delivered_by_topic,
                               "summary_json": summary.to_json()})
-    state.write_run_record(wh, done)
+    run_log.write_run_record(wh, done)
     fault_point("after_commit")
     return done

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 from pyspark.sql import functions as F
 
-from jobs import state
+from jobs import inputs, job_tables, run_log
 from jobs.session import use_warehouse
 from schemas import HALF, PENDING, table_path
 from txn_core.config import Config, as_config
@@ -36,16 +36,16 @@ def status(spark, config: Config | dict, now_ms: int | None = None) -> StatusRep
     cfg = as_config(config)
     wh = use_warehouse(spark, cfg)
     now = int(time.time() * 1000) if now_ms is None else now_ms
-    last = state.last_run(wh)
+    last = run_log.last_run(wh)
     path = table_path(wh, PENDING)
-    pending = (spark.read.format("delta").load(path) if state.is_delta(path)
-               else state.empty(spark, PENDING)).cache()
+    pending = (spark.read.format("delta").load(path) if job_tables.is_delta(path)
+               else inputs.empty(spark, PENDING)).cache()
     try:
         total = pending.agg(F.count(F.lit(1)).alias("n"), F.min("store_ms").alias("oldest")).first()
         by = lambda c: {r[c]: r["n"] for r in pending.groupBy(c)  # noqa: E731
                         .agg(F.count(F.lit(1)).alias("n")).orderBy(c).collect()}
-        half_v = state.latest_version(table_path(wh, HALF))
-        read_v = last.half_version if last else state.NO_VERSION
+        half_v = job_tables.latest_version(table_path(wh, HALF))
+        read_v = last.half_version if last else job_tables.NO_VERSION
         return StatusReport(
             warehouse=wh, now_ms=now,
             last_run_id=last.run_id if last else None,

@@ -28,11 +28,28 @@ from dataclasses import asdict, dataclass
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
-from schemas import (CHECK_REQUESTS, DISCARD, HALF, OP, PENDING, QUEUES, REJECTED,
-                     RESOLVED, TOPIC, TableSchema)
+from schemas import (
+    CHECK_REQUESTS,
+    DISCARD,
+    HALF,
+    OP,
+    PENDING,
+    QUEUES,
+    REJECTED,
+    RESOLVED,
+    TOPIC,
+    TableSchema,
+)
 from schemas.spark import spark_type
-from txn_core.vocabulary import (SYSTEM_TOPIC_REGEX, TOPIC_PATTERN, Action, CheckAnswer,
-                                 Decision, OpOutcome, Source)
+from txn_core.vocabulary import (
+    SYSTEM_TOPIC_REGEX,
+    TOPIC_PATTERN,
+    Action,
+    CheckAnswer,
+    Decision,
+    OpOutcome,
+    Source,
+)
 
 #: columns of a message no rule reads; they only travel to the output tables
 BODY_COLUMNS = ("msg_id", "tags", "keys", "body", "properties", "born_ms")

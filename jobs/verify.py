@@ -38,15 +38,34 @@ from typing import Any
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from jobs import state
-from jobs.session import use_warehouse
+from jobs import inputs, job_tables
 from jobs.local import local_frame
-from schemas import (CHECK_REQUESTS, DISCARD, HALF, OP, PENDING, QUEUES, REJECTED, RESOLVED,
-                     RUNS, TOPIC, TableSchema, table_path, topic_path)
+from jobs.session import use_warehouse
+from schemas import (
+    CHECK_REQUESTS,
+    DISCARD,
+    HALF,
+    OP,
+    PENDING,
+    QUEUES,
+    REJECTED,
+    RESOLVED,
+    RUNS,
+    TOPIC,
+    TableSchema,
+    table_path,
+    topic_path,
+)
 from schemas.spark import spark_schema
 from txn_core.config import as_config
-from txn_core.vocabulary import (SYSTEM_TOPIC_REGEX, TOPIC_PATTERN, Action, Decision,
-                                 RunStatus, Source)
+from txn_core.vocabulary import (
+    SYSTEM_TOPIC_REGEX,
+    TOPIC_PATTERN,
+    Action,
+    Decision,
+    RunStatus,
+    Source,
+)
 
 # RocketMQ's topic rule and system names (SPEC §3 item 9): a half row breaking
 # them did not come from the broker core and is set aside by the job.
@@ -116,7 +135,7 @@ class VerifyReport:
 # --- reading -----------------------------------------------------------------
 
 def _read(spark: SparkSession, path: str, schema, version: int | None = None) -> DataFrame:
-    if not state.is_delta(path) or (version is not None and version < 0):
+    if not job_tables.is_delta(path) or (version is not None and version < 0):
         return local_frame(spark, [], schema)
     reader = spark.read.format("delta")
     if version is not None:
@@ -129,7 +148,7 @@ def _with_versions(spark: SparkSession, path: str, table: TableSchema, upto: int
     """Every row inserted up to version `upto`, with its `cv` (commit version)
     and `dated` (whether `cv` is known).
 
-    The rows come as the job reads new rows (`state.added_rows`): the
+    The rows come as the job reads new rows (`inputs.added_rows`): the
     appended files read as parquet where the commits allow, else the change
     data feed, whose row-by-row reader costs several times as much.
 
@@ -142,20 +161,20 @@ def _with_versions(spark: SparkSession, path: str, table: TableSchema, upto: int
     checks everything else; "late after a discard" between two such rows
     stays approximate (both count as read by the first run). The report says so.
     """
-    if upto < 0 or not state.is_delta(path):
-        return (state.empty(spark, table).withColumn("cv", F.lit(None).cast("bigint"))
+    if upto < 0 or not job_tables.is_delta(path):
+        return (inputs.empty(spark, table).withColumn("cv", F.lit(None).cast("bigint"))
                 .withColumn("dated", F.lit(True)))
     try:
-        return (state.added_rows(spark, path, table, -1, upto)
+        return (inputs.added_rows(spark, path, table, -1, upto)
                 .withColumnRenamed("commit_version", "cv").withColumn("dated", F.lit(True)))
-    except state.HistoryGoneError:
+    except inputs.HistoryGoneError:
         pass  # the log no longer holds version 0
     notes.append(f"{path}: the log no longer holds version 0; rows older than the "
                  f"log are dated 0 (read by the first run), and their commit order is "
                  f"taken from the job's records")
     snap = spark.read.format("delta").option("versionAsOf", upto).load(path)
     known = spark.sql(f"DESCRIBE HISTORY delta.`{path}`").agg(F.min("version")).first()[0]
-    dated = (state.added_rows(spark, path, table, known, upto)
+    dated = (inputs.added_rows(spark, path, table, known, upto)
              .select(*[F.col(c) for c in snap.columns], F.col("commit_version").alias("cv")))
     old = snap.join(dated.select(*snap.columns[:1]), snap.columns[:1], "left_anti")
     return (old.withColumn("cv", F.lit(0).cast("bigint")).withColumn("dated", F.lit(False))
@@ -164,7 +183,7 @@ def _with_versions(spark: SparkSession, path: str, table: TableSchema, upto: int
 
 def _newer_rows(spark: SparkSession, path: str, judged_rows: int) -> int:
     """Rows added after the judged version (halves the job has legitimately not read)."""
-    if not state.is_delta(path):
+    if not job_tables.is_delta(path):
         return 0
     return max(spark.read.format("delta").load(path).count() - judged_rows, 0)
 
@@ -182,7 +201,7 @@ def _topics(spark: SparkSession, warehouse: str) -> list[str]:
 def _committed_runs(spark: SparkSession, warehouse: str):
     """(committed runs in order, the incomplete run after them or None)."""
     path = table_path(warehouse, RUNS)
-    if not state.is_delta(path):
+    if not job_tables.is_delta(path):
         return [], None
     rows = [r.asDict(recursive=True) for r in spark.read.format("delta").load(path).collect()]
     by_number: dict[int, dict] = {}
@@ -625,7 +644,7 @@ def _delivered_rows(spark: SparkSession, wh: str,
     delivered = None
     for name in topic_names:
         path = topic_path(wh, name)
-        if not state.is_delta(path):
+        if not job_tables.is_delta(path):
             continue
         df = spark.read.format("delta").load(path).withColumn("found_topic", F.lit(name))
         if ignored_run is not None:

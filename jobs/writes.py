@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pyspark.sql import functions as F
 
-from jobs import state
+from jobs import job_tables, tagged_writes
 from jobs.faults import InjectedFault, fault_point
 from jobs.lease import Lease, LeaseLost
 
@@ -57,9 +57,9 @@ def start_deliveries(wh: str, delivered, topics, writes: RunWrites) -> None:
     """Start writing `delivered` (TOPIC rows with their `topic`) to the
     tables of `topics`: in one Spark job when `jobs.commits` can write them
     all (`_put_deliveries`), else one write per topic."""
-    paths = {topic: state.ensure_topic_table(wh, topic)  # creating one is a commit too
+    paths = {topic: job_tables.ensure_topic_table(wh, topic)  # creating one is a commit too
              for topic in topics}
-    tables = state.split_tables(delivered, "topic", paths)
+    tables = tagged_writes.split_tables(delivered, "topic", paths)
     if tables is not None:
         writes.submit(_put_deliveries, delivered, tables)
         return
@@ -71,24 +71,24 @@ def start_deliveries(wh: str, delivered, topics, writes: RunWrites) -> None:
 def _put(df, path: str, app: str, mode: str, run_number: int, lease: Lease,
          redo: bool) -> None:
     lease.keep_alive()  # never write once another run may have taken over
-    state.write_for_run(df, path, run_number, app, mode=mode, redo=redo)
+    tagged_writes.write_for_run(df, path, run_number, app, mode=mode, redo=redo)
     fault_point(f"after:{app}")
 
 
 def _put_deliveries(delivered, tables: dict, run_number: int, lease: Lease,
                     redo: bool) -> None:
     """Each topic's rows of `delivered` appended to its table (`tables`,
-    `state.split_tables`): all of them written by one Spark job, then one
+    `tagged_writes.split_tables`): all of them written by one Spark job, then one
     tagged commit per topic. A redo writes only the topics its crashed
     attempt did not commit."""
     apps = {topic: f"topics/{topic}" for topic in tables}
     todo = {topic: table for topic, table in tables.items()
-            if not (redo and state.committed_by_run(table.table_uri, run_number, apps[topic]))}
+            if not (redo and tagged_writes.committed_by_run(table.table_uri, run_number, apps[topic]))}
     if not todo:
         return
     lease.keep_alive()  # never write once another run may have taken over
-    append = state.split_commits(delivered, "topic", todo)
+    append = tagged_writes.split_commits(delivered, "topic", todo)
     for topic in sorted(todo):
         lease.keep_alive()
-        append[topic](state.run_tag(run_number, apps[topic]))
+        append[topic](tagged_writes.run_tag(run_number, apps[topic]))
         fault_point(f"after:{apps[topic]}")

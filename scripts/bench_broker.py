@@ -42,9 +42,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from txn_core import (  # noqa: E402
+    Broker,
+    LocalTransactionState,
+    Message,
+    TransactionListener,
+    TransactionProducer,
+)
+
 from bench_store import Store, add_arguments, stores_from_args  # noqa: E402
-from txn_core import (Broker, LocalTransactionState, Message,  # noqa: E402
-                      TransactionListener, TransactionProducer)
 
 COMMIT = LocalTransactionState.COMMIT_MESSAGE
 ROLLBACK = LocalTransactionState.ROLLBACK_MESSAGE

@@ -124,7 +124,8 @@ def _topic_like_table(spark, out: str) -> None:
     """An empty table with the half rows' columns, made like a topic table
     (with its file statistics)."""
     from delta.tables import DeltaTable as SparkDeltaTable
-    from jobs.state import table_properties
+
+    from jobs.job_tables import table_properties
     from schemas import TOPIC
     builder = SparkDeltaTable.createIfNotExists(spark).location(out).addColumns(
         spark_schema(HALF))
@@ -137,7 +138,8 @@ def _delivered_rows(spark, warehouse: str, start_half_v: int, start_op_v: int):
     """The new half rows of the committed messages, read the cheapest way the
     job knows (jobs.appends: as parquet, not through the change feed's
     row-by-row reader)."""
-    from jobs.state import added_rows, latest_version
+    from jobs.inputs import added_rows
+    from jobs.job_tables import latest_version
     half_path, op_path = table_path(warehouse, HALF), table_path(warehouse, OP)
     half = added_rows(spark, half_path, HALF, start_half_v, latest_version(half_path))
     ops = added_rows(spark, op_path, OP, start_op_v, latest_version(op_path))

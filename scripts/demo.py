@@ -25,8 +25,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from txn_core import (Broker, LocalTransactionState, Message, TransactionListener,  # noqa: E402
-                      TransactionProducer, load_config)
+from txn_core import (  # noqa: E402
+    Broker,
+    LocalTransactionState,
+    Message,
+    TransactionListener,
+    TransactionProducer,
+    load_config,
+)
 from txn_core.consumer import read_topic  # noqa: E402
 
 from s3_loopback import Running  # noqa: E402

@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
 from s3_loopback import Running  # noqa: E402
+
 #: the test session's AWS credentials: distinctive, so tests can show that
 #: they appear in no output, table or error
 S3_KEY_ID = "TXNTESTKEYID7Q4Z"
@@ -24,6 +25,14 @@ S3_BUCKET = "txn-tests"
 # No test reaches AWS itself: the object-store tests name a loopback endpoint.
 os.environ.update(AWS_ACCESS_KEY_ID=S3_KEY_ID, AWS_SECRET_ACCESS_KEY=S3_SECRET,
                   AWS_EC2_METADATA_DISABLED="true")
+
+
+def pytest_collection_modifyitems(items):
+    """Mark every test that uses the session's Spark `spark`, so that
+    `pytest -m "not spark"` (`make test-fast`) runs the rest in seconds."""
+    for item in items:
+        if "spark" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.spark)
 
 
 @pytest.fixture(scope="session")

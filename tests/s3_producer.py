@@ -9,8 +9,14 @@ import json
 import sys
 import threading
 
-from txn_core import (Broker, LocalTransactionState, Message, TransactionListener,
-                      TransactionProducer, load_config)
+from txn_core import (
+    Broker,
+    LocalTransactionState,
+    Message,
+    TransactionListener,
+    TransactionProducer,
+    load_config,
+)
 
 THREADS = 4
 BATCH = 20

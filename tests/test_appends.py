@@ -7,7 +7,7 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from jobs import appends, state
+from jobs import appends, inputs, job_tables
 from schemas import HALF, PENDING, table_path
 from schemas.arrow import arrow_schema
 from schemas.spark import spark_schema
@@ -20,8 +20,8 @@ def _rows(df) -> list[tuple]:
 
 
 def _same_as_change_feed(spark, path: str, after: int, upto: int) -> None:
-    got = state.added_rows(spark, path, HALF, after, upto)
-    want = state.change_feed_inserts(spark, path, after, upto)
+    got = inputs.added_rows(spark, path, HALF, after, upto)
+    want = inputs.change_feed_inserts(spark, path, after, upto)
     assert got.columns == want.columns
     assert _rows(got) == _rows(want)
 
@@ -37,11 +37,11 @@ def test_appends_and_a_compaction_are_read_as_parquet_like_the_change_feed(spark
     files = appends.appended_files(path, 0, upto)
     assert [v for v, _ in files] == [1, 2, 3, 5]  # version 0 creates the table, 4 compacts
     assert appends.appended_files(path, 3, 4) == []
-    assert state.added_rows(spark, path, HALF, 3, 4).count() == 0
+    assert inputs.added_rows(spark, path, HALF, 3, 4).count() == 0
     _same_as_change_feed(spark, path, 0, upto)
     _same_as_change_feed(spark, path, 2, upto)
     by_offset = {r.half_offset: r.commit_version
-                 for r in state.added_rows(spark, path, HALF, 0, upto).collect()}
+                 for r in inputs.added_rows(spark, path, HALF, 0, upto).collect()}
     assert by_offset == {0: 1, 1: 1, 2: 2, 3: 2, 4: 3, 5: 3, 6: 5}
 
 
@@ -54,7 +54,7 @@ def test_a_delete_in_the_range_falls_back_to_the_change_feed(spark, warehouse):
     assert '"cdc"' in open(appends.log_entry(path, 2)).read()
     assert appends.appended_files(path, 0, upto) is None
     _same_as_change_feed(spark, path, 0, upto)
-    assert sorted(r.half_offset for r in state.added_rows(spark, path, HALF, 0, upto)
+    assert sorted(r.half_offset for r in inputs.added_rows(spark, path, HALF, 0, upto)
                   .collect()) == [1, 2, 3]  # the rewrite inserts nothing
 
 
@@ -66,11 +66,11 @@ def test_only_rows_from_the_change_feed_are_handed_to_keep_slow(spark, warehouse
     def keep(df):
         kept.append(df)
         return df
-    state.added_rows(spark, path, HALF, 0, 1, keep_slow=keep)  # a plain append: parquet
+    inputs.added_rows(spark, path, HALF, 0, 1, keep_slow=keep)  # a plain append: parquet
     assert kept == []
     DeltaTable(path).delete("half_offset = 1")
     fx.write_halves(warehouse, fx.half(2))
-    rows = state.added_rows(spark, path, HALF, 0, 3, keep_slow=keep)
+    rows = inputs.added_rows(spark, path, HALF, 0, 3, keep_slow=keep)
     assert kept == [rows] and sorted(r.half_offset for r in rows.collect()) == [1, 2]
 
 
@@ -94,13 +94,13 @@ def _write_pending(spark, path: str, rows: list[dict]) -> None:
 
 
 def _read_whole(spark, warehouse: str, version: int):
-    return state.read_state(spark, warehouse, {state.state_version_key(PENDING): version},
+    return inputs.read_state(spark, warehouse, {inputs.state_version_key(PENDING): version},
                             PENDING)
 
 
 def test_a_state_table_read_whole_is_its_snapshot_at_the_pinned_version(spark, warehouse,
                                                                         monkeypatch):
-    state.ensure_job_tables(warehouse)
+    job_tables.ensure_job_tables(warehouse)
     path = table_path(warehouse, PENDING)
     _write_pending(spark, path, _pending(1, 2))
     _write_pending(spark, path, _pending(3))  # an overwrite: version 1's files are gone in 2
@@ -109,7 +109,7 @@ def test_a_state_table_read_whole_is_its_snapshot_at_the_pinned_version(spark, w
     assert appends.snapshot_files(path, 0) == []
     for version, offsets in ((0, []), (1, [1, 2]), (2, [3])):
         with monkeypatch.context() as m:  # read as files: Delta's reader is never asked
-            m.setattr(state, "snapshot", lambda *a: pytest.fail("read through Delta"))
+            m.setattr(inputs, "snapshot", lambda *a: pytest.fail("read through Delta"))
             got = _read_whole(spark, warehouse, version)
         want = spark.read.format("delta").option("versionAsOf", version).load(path)
         assert got.columns == want.columns == PENDING.names
@@ -118,7 +118,7 @@ def test_a_state_table_read_whole_is_its_snapshot_at_the_pinned_version(spark, w
 
 
 def test_a_state_table_with_deletion_vectors_is_read_by_delta(spark, warehouse):
-    state.ensure_job_tables(warehouse)
+    job_tables.ensure_job_tables(warehouse)
     path = table_path(warehouse, PENDING)
     spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES "
               "('delta.enableDeletionVectors' = 'true')")

@@ -7,8 +7,13 @@ from deltalake import DeltaTable, write_deltalake
 
 from schemas import CHECK_REQUESTS
 from schemas.arrow import arrow_schema
-from txn_core import (Broker, LocalTransactionState, Message, TransactionListener,
-                      TransactionProducer)
+from txn_core import (
+    Broker,
+    LocalTransactionState,
+    Message,
+    TransactionListener,
+    TransactionProducer,
+)
 from txn_core.tables import open_or_create
 
 COMMIT = LocalTransactionState.COMMIT_MESSAGE

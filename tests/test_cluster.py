@@ -24,6 +24,8 @@ import pytest
 
 import factories as f
 
+pytestmark = pytest.mark.spark  # a Spark cluster of its own
+
 REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("build_pyfiles",
                                                REPO / "scripts" / "build_pyfiles.py")

@@ -10,13 +10,13 @@ import os
 import pytest
 from deltalake import DeltaTable
 
-from jobs import commits, state
+from jobs import commits, job_tables, tagged_writes
 from schemas import QUEUES, TOPIC
 from schemas.spark import spark_schema
 
 
 def _topic_table(spark, warehouse) -> str:
-    return state.ensure_topic_table(warehouse, "ORDER")
+    return job_tables.ensure_topic_table(warehouse, "ORDER")
 
 
 def _topic_rows(spark, offsets, queue_id=0, msg_id="m"):
@@ -35,19 +35,19 @@ def test_an_append_reads_as_delta_with_the_statistics_delta_keeps(spark, warehou
     path = _topic_table(spark, warehouse)
     df = _topic_rows(spark, range(10, 20)).coalesce(1)
     assert commits.committable(path, df) is not None
-    assert state.write_for_run(df, path, 7, "topics/ORDER")
+    assert tagged_writes.write_for_run(df, path, 7, "topics/ORDER")
 
     got = spark.read.format("delta").load(path)
     assert sorted(r.queue_offset for r in got.collect()) == list(range(10, 20))
     adds = _last_adds(path)
     assert len(adds) == 1 and "/" not in adds[0]["path"]  # in the table's directory
     stats = json.loads(adds[0]["stats"])
-    # a topic table keeps statistics on its first two columns only (state.STATS_COLUMNS)
+    # a topic table keeps statistics on its first two columns only (job_tables.STATS_COLUMNS)
     assert stats == {"numRecords": 10, "minValues": {"queue_id": 0, "queue_offset": 10},
                      "maxValues": {"queue_id": 0, "queue_offset": 19},
                      "nullCount": {"queue_id": 0, "queue_offset": 0}}
     assert not [n for n in os.listdir(path) if n.startswith(commits.STAGING_PREFIX)]
-    assert state.committed_by_run(path, 7, "topics/ORDER")
+    assert tagged_writes.committed_by_run(path, 7, "topics/ORDER")
     # the statistics skip files: a seek past the last offset reads no file
     seek = got.where("queue_offset > 100")
     assert seek.count() == 0
@@ -56,15 +56,15 @@ def test_an_append_reads_as_delta_with_the_statistics_delta_keeps(spark, warehou
 
 def test_an_overwrite_replaces_the_rows_and_the_change_feed_shows_both(spark, warehouse):
     path = _topic_table(spark, warehouse)
-    state.write_for_run(_topic_rows(spark, [1, 2]), path, 1, "topics/ORDER")
-    state.write_for_run(_topic_rows(spark, [3]), path, 2, "topics/ORDER", mode="overwrite")
+    tagged_writes.write_for_run(_topic_rows(spark, [1, 2]), path, 1, "topics/ORDER")
+    tagged_writes.write_for_run(_topic_rows(spark, [3]), path, 2, "topics/ORDER", mode="overwrite")
     assert [r.queue_offset for r in spark.read.format("delta").load(path).collect()] == [3]
     changes = (spark.read.format("delta").option("readChangeFeed", "true")
                .option("startingVersion", 2).load(path))
     assert sorted((r._change_type, r.queue_offset) for r in changes.collect()) == [
         ("delete", 1), ("delete", 2), ("insert", 3)]
     # an overwrite with no rows empties the table
-    state.write_for_run(_topic_rows(spark, []), path, 3, "topics/ORDER", mode="overwrite")
+    tagged_writes.write_for_run(_topic_rows(spark, []), path, 3, "topics/ORDER", mode="overwrite")
     assert spark.read.format("delta").load(path).count() == 0
     assert DeltaTable(path).to_pyarrow_table().num_rows == 0
 
@@ -75,10 +75,10 @@ def test_a_null_in_a_not_null_column_fails_and_commits_nothing(spark, warehouse)
     bad = _topic_rows(spark, [1]).selectExpr(
         *[f"CAST(NULL AS string) AS {c}" if c == "msg_id" else c for c in TOPIC.names])
     with pytest.raises(Exception, match="NOT NULL constraint violated for column msg_id"):
-        state.write_for_run(bad, path, 1, "topics/ORDER")
+        tagged_writes.write_for_run(bad, path, 1, "topics/ORDER")
     assert DeltaTable(path).version() == before
     # the next write clears what the failed one left
-    state.write_for_run(_topic_rows(spark, [2]), path, 2, "topics/ORDER")
+    tagged_writes.write_for_run(_topic_rows(spark, [2]), path, 2, "topics/ORDER")
     assert not [n for n in os.listdir(path) if n.startswith(commits.STAGING_PREFIX)]
     assert [r.queue_offset for r in spark.read.format("delta").load(path).collect()] == [2]
 
@@ -90,18 +90,18 @@ def test_other_columns_or_a_check_constraint_go_to_deltas_writer(spark, warehous
     spark.sql(f"ALTER TABLE delta.`{path}` ADD CONSTRAINT positive CHECK (queue_offset >= 0)")
     assert commits.committable(path, _topic_rows(spark, [1])) is None
     with pytest.raises(Exception, match="positive"):  # Delta's writer enforces it
-        state.write_for_run(_topic_rows(spark, [-1]), path, 1, "topics/ORDER")
-    state.write_for_run(_topic_rows(spark, [5]), path, 2, "topics/ORDER")
-    assert DeltaTable(path).history(1)[0]["userMetadata"] == state.run_tag(2, "topics/ORDER")
+        tagged_writes.write_for_run(_topic_rows(spark, [-1]), path, 1, "topics/ORDER")
+    tagged_writes.write_for_run(_topic_rows(spark, [5]), path, 2, "topics/ORDER")
+    assert DeltaTable(path).history(1)[0]["userMetadata"] == tagged_writes.run_tag(2, "topics/ORDER")
     assert [r.queue_offset for r in spark.read.format("delta").load(path).collect()] == [5]
 
 
 def test_a_checkpoint_every_ten_commits_as_delta_writes_them(spark, warehouse):
     path = os.path.join(warehouse, "_sys", "queues")
-    state.create_table(path, QUEUES)
+    job_tables.create_table(path, QUEUES)
     rows = lambda n: spark.createDataFrame([("ORDER", 0, n, n)], spark_schema(QUEUES))  # noqa: E731
     for n in range(1, 11):
-        state.write_for_run(rows(n), path, n, QUEUES.path, mode="overwrite")
+        tagged_writes.write_for_run(rows(n), path, n, QUEUES.path, mode="overwrite")
     assert DeltaTable(path).version() == 10
     assert os.path.exists(os.path.join(path, "_delta_log", f"{10:020d}.checkpoint.parquet"))
     assert [tuple(r) for r in spark.read.format("delta").load(path).collect()] == [
@@ -109,9 +109,10 @@ def test_a_checkpoint_every_ten_commits_as_delta_writes_them(spark, warehouse):
 
 
 def test_file_statistics_of_strings_are_bounds():
-    from txn_core.delta_log import file_stats
     import pyarrow as pa
     import pyarrow.parquet as pq
+
+    from txn_core.delta_log import file_stats
     table = pa.table({"k": pa.array(["b" * 40, "a", None]), "n": pa.array([3, 1, 2])})
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
@@ -126,33 +127,33 @@ def test_file_statistics_of_strings_are_bounds():
 
 def test_a_split_write_stages_each_tables_rows_in_one_job_and_commits_each(spark, warehouse):
     from pyspark.sql import functions as F
-    paths = {t: state.ensure_topic_table(warehouse, t) for t in ("ORDER", "PAY")}
+    paths = {t: job_tables.ensure_topic_table(warehouse, t) for t in ("ORDER", "PAY")}
     rows = (_topic_rows(spark, [1, 2]).withColumn("topic", F.lit("ORDER"))
             .unionByName(_topic_rows(spark, [7]).withColumn("topic", F.lit("PAY")))
             .unionByName(_topic_rows(spark, [9]).withColumn("topic", F.lit("SHIP"))))
-    split = state.split_commits(rows, "topic", state.split_tables(rows, "topic", paths))
+    split = tagged_writes.split_commits(rows, "topic", tagged_writes.split_tables(rows, "topic", paths))
     assert sorted(split) == ["ORDER", "PAY"]
     # staged, not committed: the files are in the tables' directories, unread
     assert all(DeltaTable(p).version() == 0 for p in paths.values())
     assert any(n.endswith(".parquet") for n in os.listdir(paths["PAY"]))
-    split["ORDER"](state.run_tag(3, "topics/ORDER"))
-    split["PAY"](state.run_tag(3, "topics/PAY"))
+    split["ORDER"](tagged_writes.run_tag(3, "topics/ORDER"))
+    split["PAY"](tagged_writes.run_tag(3, "topics/PAY"))
     read = lambda t: sorted(r.queue_offset for r in spark.read.format("delta")  # noqa: E731
                             .load(paths[t]).collect())
     assert (read("ORDER"), read("PAY")) == ([1, 2], [7])  # SHIP has no table here: not written
     assert json.loads(_last_adds(paths["PAY"])[0]["stats"])["minValues"]["queue_offset"] == 7
-    assert state.committed_by_run(paths["PAY"], 3, "topics/PAY")
+    assert tagged_writes.committed_by_run(paths["PAY"], 3, "topics/PAY")
     assert not [n for t in paths.values() for n in os.listdir(t)
                 if n.startswith(commits.STAGING_PREFIX)]
     # a table Delta's writer must write makes the caller write one table at a time
     spark.sql(f"ALTER TABLE delta.`{paths['PAY']}` ADD CONSTRAINT c CHECK (queue_offset >= 0)")
-    assert state.split_tables(rows, "topic", paths) is None
+    assert tagged_writes.split_tables(rows, "topic", paths) is None
 
 
 def test_distinct_columns_are_written_without_a_dictionary(spark, warehouse):
     import pyarrow.parquet as pq
     path = _topic_table(spark, warehouse)
-    assert state.write_for_run(_topic_rows(spark, range(100)).coalesce(1), path, 7,
+    assert tagged_writes.write_for_run(_topic_rows(spark, range(100)).coalesce(1), path, 7,
                                "topics/ORDER")
     (add,) = _last_adds(path)
     meta = pq.ParquetFile(os.path.join(path, add["path"])).metadata

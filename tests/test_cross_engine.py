@@ -1,8 +1,13 @@
 """What the broker core writes through delta-rs, Spark + Delta reads the same."""
 from deltalake import DeltaTable
 
-from txn_core import Broker, LocalTransactionState, Message, TransactionListener, \
-    TransactionProducer
+from txn_core import (
+    Broker,
+    LocalTransactionState,
+    Message,
+    TransactionListener,
+    TransactionProducer,
+)
 
 
 class Commit(TransactionListener):

@@ -1,8 +1,7 @@
 """jobs.local: a driver's rows as a DataFrame Spark holds in its plan."""
 from __future__ import annotations
 
-from pyspark.sql.types import (IntegerType, LongType, MapType, StringType, StructField,
-                               StructType)
+from pyspark.sql.types import IntegerType, LongType, MapType, StringType, StructField, StructType
 
 from jobs.local import local_frame
 

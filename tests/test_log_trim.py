@@ -5,20 +5,25 @@ import os
 
 import pyarrow as pa
 from deltalake import DeltaTable
+from test_group_commit import STORE_MS, op_rows
 
 from jobs.reconcile import reconcile
 from jobs.verify import verify
 from schemas import HALF, OP, table_path, topic_path
 from schemas.arrow import arrow_schema
-from txn_core import (Broker, LocalTransactionState, Message, TransactionListener,
-                      TransactionProducer)
+from txn_core import (
+    Broker,
+    LocalTransactionState,
+    Message,
+    TransactionListener,
+    TransactionProducer,
+)
 from txn_core.group_commit import GroupCommitWriter
 from txn_core.log_trim import job_cursor
 from txn_core.maintenance import maintain
 from txn_core.tables import PRODUCER_TABLE_CONFIG, open_or_create
 
 import factories as fx
-from test_group_commit import STORE_MS, op_rows
 
 #: a checkpoint every 5 commits, and a time-based retention that drops nothing
 EVERY_5 = dict(PRODUCER_TABLE_CONFIG, **{"delta.checkpointInterval": "5"})

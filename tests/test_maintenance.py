@@ -4,8 +4,14 @@ from deltalake import DeltaTable, write_deltalake
 
 from schemas import RESOLVED
 from schemas.arrow import arrow_schema
-from txn_core import Broker, Config, LocalTransactionState, Message, TransactionListener, \
-    TransactionProducer
+from txn_core import (
+    Broker,
+    Config,
+    LocalTransactionState,
+    Message,
+    TransactionListener,
+    TransactionProducer,
+)
 from txn_core.maintenance import maintain
 from txn_core.tables import open_or_create
 

@@ -11,17 +11,25 @@ import sys
 import pytest
 from deltalake import DeltaTable
 
-from conftest import REPO, S3_KEY_ID, S3_SECRET, S3Server
 from jobs.faults import FAULT_EXIT_CODE
 from jobs.reconcile import main, reconcile
 from jobs.status import status
 from jobs.verify import verify
 from schemas import HALF, OP, RUNS, table_path, topic_path
-from txn_core import (Broker, ConfigError, LocalTransactionState, Message, TransactionListener,
-                      TransactionProducer, load_config)
+from txn_core import (
+    Broker,
+    ConfigError,
+    LocalTransactionState,
+    Message,
+    TransactionListener,
+    TransactionProducer,
+    load_config,
+)
 from txn_core.consumer import read_topic
 from txn_core.maintenance import maintain
 from txn_core.storage import Storage, StorageError, options_for, use
+
+from conftest import REPO, S3_KEY_ID, S3_SECRET, S3Server
 
 S = LocalTransactionState
 T = 1_800_000_000_000
@@ -163,7 +171,7 @@ def test_the_job_reads_appended_rows_and_snapshots_as_parquet_on_s3(spark, s3):
     """The log entries are fetched from the store, so the job reads a
     producer table's new files as parquet there too, not through the change
     data feed's row-by-row reader; the rows are the same."""
-    from jobs import appends, state
+    from jobs import appends, inputs
     from jobs.session import use_warehouse
     cfg = load_config(env={}, **s3.config())
     use_warehouse(spark, cfg)
@@ -178,8 +186,8 @@ def test_the_job_reads_appended_rows_and_snapshots_as_parquet_on_s3(spark, s3):
     files = appends.appended_files(path, 0, upto)
     assert files is not None and len(files) == 3
     assert all(f.startswith(path + "/") and f.endswith(".parquet") for _, f in files)
-    fast = state.added_rows(spark, path, HALF, 0, upto)
-    slow = state.change_feed_inserts(spark, path, 0, upto)
+    fast = inputs.added_rows(spark, path, HALF, 0, upto)
+    slow = inputs.change_feed_inserts(spark, path, 0, upto)
     assert sorted(r.body for r in fast.collect()) == [bytes([i]) for i in range(3)]
     assert sorted((r.half_offset, r.commit_version) for r in fast.collect()) == sorted(
         (r.half_offset, r.commit_version) for r in slow.collect())

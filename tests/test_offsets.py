@@ -5,8 +5,13 @@ import threading
 import pyarrow.compute as pc
 from deltalake import DeltaTable
 
-from txn_core import Broker, LocalTransactionState, Message, TransactionListener, \
-    TransactionProducer
+from txn_core import (
+    Broker,
+    LocalTransactionState,
+    Message,
+    TransactionListener,
+    TransactionProducer,
+)
 from txn_core.offsets import OffsetAllocator
 
 PROCESSES, THREADS, SENDS = 4, 4, 10

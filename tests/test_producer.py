@@ -6,9 +6,16 @@ import threading
 import pytest
 from deltalake import DeltaTable
 
-from txn_core import (Broker, LocalTransactionState, Message, MessageValidationError,
-                      NoListenerError, PersistError, TransactionListener,
-                      TransactionProducer)
+from txn_core import (
+    Broker,
+    LocalTransactionState,
+    Message,
+    MessageValidationError,
+    NoListenerError,
+    PersistError,
+    TransactionListener,
+    TransactionProducer,
+)
 
 COMMIT = LocalTransactionState.COMMIT_MESSAGE
 ROLLBACK = LocalTransactionState.ROLLBACK_MESSAGE

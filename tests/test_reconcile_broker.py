@@ -7,8 +7,13 @@ from deltalake import DeltaTable
 
 from jobs.reconcile import main, reconcile
 from schemas import topic_path
-from txn_core import (Broker, LocalTransactionState, Message, TransactionListener,
-                      TransactionProducer)
+from txn_core import (
+    Broker,
+    LocalTransactionState,
+    Message,
+    TransactionListener,
+    TransactionProducer,
+)
 
 S = LocalTransactionState
 

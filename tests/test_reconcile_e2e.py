@@ -8,11 +8,11 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
-import factories as fx
 from jobs.reconcile import reconcile
 from jobs.status import status
-from schemas import (CHECK_REQUESTS, DISCARD, HALF, PENDING, REJECTED, RUNS, table_path,
-                     topic_path)
+from schemas import CHECK_REQUESTS, DISCARD, HALF, PENDING, REJECTED, RUNS, table_path, topic_path
+
+import factories as fx
 
 T0 = 10_000_000
 HOUR = 3_600_000
@@ -184,8 +184,8 @@ def test_empty_warehouse_run_succeeds_with_zero_counters(spark, warehouse, monke
 
 def test_idle_run_writes_one_record_until_something_is_due_or_the_rules_change(
         spark, warehouse, monkeypatch):
-    from jobs import state
-    monkeypatch.setattr(state, "COMPACT_EVERY_RUNS", 3)  # run 3 compacts the job's tables
+    from jobs import job_tables, run_log
+    monkeypatch.setattr(job_tables, "COMPACT_EVERY_RUNS", 3)  # run 3 compacts the job's tables
     fx.write_halves(warehouse, fx.half(store_ms=0))
     cfg = {"warehouse": warehouse, "transaction_timeout_ms": 60_000}
     first = reconcile(spark, cfg, now_ms=1000)
@@ -210,7 +210,7 @@ def test_idle_run_writes_one_record_until_something_is_due_or_the_rules_change(
     assert len(DeltaTable(runs).file_uris()) == 1
     assert [(r["run_number"], r["status"]) for r in rows(runs, sort="run_number")] == [
         (1, "COMMITTED"), (1, "STARTED"), (2, "COMMITTED"), (3, "COMMITTED"), (3, "STARTED")]
-    assert state.last_run(warehouse).run_number == 3
+    assert run_log.last_run(warehouse).run_number == 3
     requests = DeltaTable(table_path(warehouse, CHECK_REQUESTS))
     feed = pa.table(requests.load_cdf(starting_version=0).read_all()).to_pylist()
     assert [r["_change_type"] for r in feed] == ["insert"]
@@ -218,8 +218,8 @@ def test_idle_run_writes_one_record_until_something_is_due_or_the_rules_change(
 
 def test_the_cli_predicts_an_idle_run_before_spark_starts_and_starts_it_short_lived(
         spark, warehouse, monkeypatch):
+    from jobs import job_tables
     from jobs import reconcile as job
-    from jobs import state
     started = []
     monkeypatch.setattr(job, "_spark", lambda short_lived=False: started.append(short_lived)
                         or spark)
@@ -235,9 +235,9 @@ def test_the_cli_predicts_an_idle_run_before_spark_starts_and_starts_it_short_li
                      "--transaction-timeout-ms", "60000"]) == 0
     assert started == [False, True]  # run 1 full, run 2 idle in a short-lived JVM
     assert job.idle_ahead(cfg, 60_000)
-    monkeypatch.setattr(state, "COMPACT_EVERY_RUNS", 3)
+    monkeypatch.setattr(job_tables, "COMPACT_EVERY_RUNS", 3)
     assert not job.idle_ahead(cfg, 60_000)  # run 3 compacts the job's tables
-    monkeypatch.setattr(state, "COMPACT_EVERY_RUNS", 100)
+    monkeypatch.setattr(job_tables, "COMPACT_EVERY_RUNS", 100)
     fx.write_halves(warehouse, fx.half(store_ms=0))
     assert not job.idle_ahead(cfg, 60_000)  # a new half: a full run
 
@@ -258,7 +258,7 @@ def _tree(warehouse: str) -> list[tuple[str, int]]:
 
 
 def test_log_cleaned_beyond_the_cursor_fails_clearly_and_writes_nothing(spark, warehouse):
-    from jobs.state import HistoryGoneError
+    from jobs.inputs import HistoryGoneError
     from txn_core.config import load_config
     fx.write_halves(warehouse, fx.half(store_ms=0))
     fx.write_halves(warehouse, fx.half(store_ms=0))

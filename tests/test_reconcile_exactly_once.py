@@ -12,11 +12,12 @@ import time
 import pytest
 from deltalake import DeltaTable
 
-import factories as fx
 from jobs import faults
 from jobs.faults import FAULT_EXIT_CODE, InjectedFault
 from jobs.lease import LeaseHeld
 from jobs.reconcile import reconcile, recover
+
+import factories as fx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T = 500 * 3_600_000
@@ -141,26 +142,26 @@ def test_process_killed_mid_run_is_redone_by_the_next_process(base, baseline, tm
 def test_a_redo_finds_the_tagged_commit_of_its_run_past_untagged_ones(spark, tmp_path):
     from deltalake import write_deltalake
 
-    from jobs import state
+    from jobs import tagged_writes
     path = str(tmp_path / "t")
     rows = spark.createDataFrame([(1,)], "x int")
-    assert not state.committed_by_run(path, 7, "t")  # no table yet
-    assert state.write_for_run(rows, path, 6, "t")
-    assert state.write_for_run(rows, path, 7, "other")
-    assert state.write_for_run(rows, path, 7, "t")
+    assert not tagged_writes.committed_by_run(path, 7, "t")  # no table yet
+    assert tagged_writes.write_for_run(rows, path, 6, "t")
+    assert tagged_writes.write_for_run(rows, path, 7, "other")
+    assert tagged_writes.write_for_run(rows, path, 7, "t")
     write_deltalake(path, DeltaTable(path).to_pyarrow_table().slice(0, 1), mode="append")
-    assert state.committed_by_run(path, 7, "t")  # the operator's append is stepped over
-    assert not state.committed_by_run(path, 8, "t")  # a later run never wrote
+    assert tagged_writes.committed_by_run(path, 7, "t")  # the operator's append is stepped over
+    assert not tagged_writes.committed_by_run(path, 8, "t")  # a later run never wrote
     # a redo skips what its run wrote, and writes what it did not
-    assert not state.write_for_run(rows, path, 7, "t", redo=True)
-    assert state.write_for_run(rows, path, 8, "t", redo=True)
+    assert not tagged_writes.write_for_run(rows, path, 7, "t", redo=True)
+    assert tagged_writes.write_for_run(rows, path, 8, "t", redo=True)
     assert DeltaTable(path).to_pyarrow_table().num_rows == 5
     # beyond the newest commits read first: the whole history is read
-    for _ in range(state.RECENT_COMMITS):
+    for _ in range(tagged_writes.RECENT_COMMITS):
         write_deltalake(path, DeltaTable(path).to_pyarrow_table().slice(0, 1), mode="append")
-    assert state.committed_by_run(path, 8, "t") and not state.committed_by_run(path, 8, "x")
+    assert tagged_writes.committed_by_run(path, 8, "t") and not tagged_writes.committed_by_run(path, 8, "x")
     # a run that crashed under the job before the tags: Delta's txnAppId record
     (rows.write.format("delta").mode("append").option("txnAppId", "reconcile:legacy")
      .option("txnVersion", 9).save(path))
-    assert state.committed_by_run(path, 9, "legacy")
-    assert not state.committed_by_run(path, 10, "legacy")
+    assert tagged_writes.committed_by_run(path, 9, "legacy")
+    assert not tagged_writes.committed_by_run(path, 10, "legacy")

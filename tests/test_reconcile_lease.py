@@ -11,10 +11,11 @@ import pytest
 from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
-import factories as fx
 from jobs.lease import Lease, LeaseHeld, LeaseLost
 from jobs.reconcile import main, reconcile
 from schemas import HALF, RUNS, table_path
+
+import factories as fx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -4,8 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jobs.session import (DELTA_JAR, LONG_RUN_GC, SHORT_LIVED_JVM, driver_java_options,
-                          resolved_jars)
+from jobs.session import DELTA_JAR, LONG_RUN_GC, SHORT_LIVED_JVM, driver_java_options, resolved_jars
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))

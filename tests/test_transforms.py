@@ -5,11 +5,12 @@ import pytest
 from chispa import assert_df_equality
 from pyspark.sql import functions as F
 
-import factories as fx
 from jobs import transforms as T
 from schemas import CHECK_ANSWERS, DISCARD, HALF, OP, PENDING, QUEUES, RESOLVED, TOPIC
 from schemas.spark import spark_schema
 from txn_core.vocabulary import Decision, OpOutcome
+
+import factories as fx
 
 NOW = 1_000_000
 
@@ -379,8 +380,8 @@ def test_rejected_halves_are_set_aside_with_a_reason(spark):
 def test_the_job_reserves_exactly_the_topics_the_broker_core_refuses(spark):
     """One system-topic rule for both engines: a topic the broker core accepts
     is never set aside by the job (SCHEDULE_TOPIC_ORDERS once was)."""
-    from txn_core.message import validate_topic
     from txn_core.errors import MessageValidationError
+    from txn_core.message import validate_topic
     topics = ["ORDER", "SCHEDULE_TOPIC_ORDERS", "TBW102x", "sys_orders", "TBW102",
               "SCHEDULE_TOPIC_XXXX", "BenchmarkTest", "RMQ_SYS_TRACE_TOPIC", "rmq_sys_x",
               "RmQ_SyS_x", "_sys", "_SYS_half", "_system"]

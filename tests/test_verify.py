@@ -14,8 +14,9 @@ import shutil
 
 import pytest
 
-import factories as f
 from schemas import DISCARD, HALF, PENDING, table_path, topic_path
+
+import factories as f
 
 T0 = 1_000_000_000_000
 T1 = T0 + 1_000          # run 1: fresh messages still immune (6 s default)

@@ -1,0 +1,141 @@
+"""The job's tables: which there are, creating them, their latest versions,
+and compacting the ones that only grow."""
+from __future__ import annotations
+
+import logging
+
+from pyspark.sql import SparkSession
+
+from schemas import (
+    CHECK_REQUESTS,
+    DISCARD,
+    PENDING,
+    QUEUES,
+    REJECTED,
+    RESOLVED,
+    RUNS,
+    TOPIC,
+    TableSchema,
+    table_path,
+    topic_path,
+)
+from schemas.arrow import arrow_schema
+from txn_core.storage import options_for
+
+log = logging.getLogger(__name__)
+
+
+#: tables whose rows other parties read incrementally or with delta-rs: change data feed on
+CDF_PROPERTIES = {"delta.enableChangeDataFeed": "true"}
+
+
+#: leading columns with file statistics. Statistics cost CPU on every row
+#: written (and, for the 38 columns of a run record, ~1 s of a cold JVM's
+#: first write), and only these are ever used to skip files: consumers seek
+#: a topic by (queue_id, queue_offset), a run looks resolved messages up by
+#: half_offset and the last run by run_number; the pending set is read whole.
+STATS_COLUMNS = {TOPIC.path: 2, RESOLVED.path: 1, PENDING.path: 1, RUNS.path: 2}
+
+
+#: `_sys/runs` last: once it exists, all the others do (one existence check per run)
+JOB_TABLES = (PENDING, QUEUES, RESOLVED, REJECTED, DISCARD, CHECK_REQUESTS, RUNS)
+
+
+#: state tables a run reads, pinned by version in its intent
+STATE_TABLES = (PENDING, QUEUES, RESOLVED, DISCARD)
+
+
+#: state tables a run reads whole, not looked up by key
+WHOLE_STATE_TABLES = (PENDING, QUEUES)
+
+
+#: job tables that only grow, by a file or two a run: compacted every COMPACT_EVERY_RUNS
+APPEND_ONLY_TABLES = (RUNS, RESOLVED, CHECK_REQUESTS, DISCARD, REJECTED)
+
+
+COMPACT_EVERY_RUNS = 100
+#: the version of a table that does not exist yet
+NO_VERSION = -1
+
+
+def is_delta(path: str) -> bool:
+    """Whether a Delta table is at `path` (a look at its log with delta-rs: no
+    Spark job, see `latest_version`)."""
+    from deltalake import DeltaTable as RsTable
+    return RsTable.is_deltatable(path, storage_options=options_for(path))
+
+
+def create_table(path: str, table: TableSchema) -> None:
+    """Create an empty job table if missing. Every job table has the change data
+    feed on (consumers and producers follow them with delta-rs) and no other
+    table feature, so delta-rs can read them.
+
+    Created through delta-rs, whose creation is one put-if-absent of the
+    table's first log entry: a run killed while creating a table leaves all of
+    it or nothing. Spark's builder first makes `_delta_log/`, and its catalog
+    takes a directory left so for an existing table, never to be created.
+    """
+    from deltalake import CommitProperties
+    from deltalake import DeltaTable as RsTable
+    RsTable.create(path, arrow_schema(table), mode="ignore",
+                   configuration=table_properties(table), storage_options=options_for(path),
+                   commit_properties=CommitProperties(max_commit_retries=0))
+
+
+def table_properties(table: TableSchema) -> dict[str, str]:
+    props = dict(CDF_PROPERTIES)
+    if table.path in STATS_COLUMNS:
+        props["delta.dataSkippingNumIndexedCols"] = str(STATS_COLUMNS[table.path])
+    return props
+
+
+def ensure_job_tables(warehouse: str) -> None:
+    if is_delta(table_path(warehouse, RUNS)):
+        return
+    for table in JOB_TABLES:
+        path = table_path(warehouse, table)
+        if not is_delta(path):
+            create_table(path, table)
+
+
+def ensure_topic_table(warehouse: str, topic: str) -> str:
+    path = topic_path(warehouse, topic)
+    if not is_delta(path):
+        create_table(path, TOPIC)
+    return path
+
+
+def latest_version(path: str) -> int:
+    """The table's latest version, or NO_VERSION if there is no table.
+
+    Read with delta-rs, not Spark: it is a look at the log, and from Spark the
+    first one of a process costs seconds of JVM warm-up — the most of an
+    empty run's time once Spark is up.
+    """
+    from deltalake import DeltaTable as RsTable
+    from deltalake.exceptions import TableNotFoundError
+    try:
+        return RsTable(path, storage_options=options_for(path)).version()
+    except TableNotFoundError:
+        return NO_VERSION
+
+
+def compact_job_tables(spark: SparkSession, warehouse: str) -> dict[str, int]:
+    """OPTIMIZE the job's append-only tables; returns files removed per table.
+
+    A run adds a small file or two to each; left alone, reading them (the
+    next run's `last_run`, `status`, producers following `_sys/check_requests`)
+    slows with every run. The rewrite is dataChange=false: the change data
+    feed that producers and consumers follow shows nothing new. A failure is
+    logged and left to the next round — the run it follows is already done.
+    """
+    from delta.tables import DeltaTable
+    removed = {}
+    for table in APPEND_ONLY_TABLES:
+        path = table_path(warehouse, table)
+        try:
+            metrics = DeltaTable.forPath(spark, path).optimize().executeCompaction().first()
+            removed[table.path] = int(metrics["metrics"]["numFilesRemoved"])
+        except Exception as exc:  # noqa: BLE001 - housekeeping must not fail a finished run
+            log.warning("compaction of %s failed (%s); the next round retries", path, exc)
+    return removed
