@@ -6,7 +6,7 @@ PYTHON ?= python3
 MINIO_VERSION = v0.0.0-20260212201848-7aac2a2c5b7c
 MINIO = target/minio-$(MINIO_VERSION)/minio
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test test-fast check bench
 
 setup: $(MINIO)
 	$(PYTHON) -m pip install -q --disable-pip-version-check --root-user-action=ignore -e '.[test]'
@@ -21,8 +21,18 @@ $(MINIO):
 demo: setup
 	$(PYTHON) scripts/demo.py
 
-test: setup
+# Lint, format and types: what CI checks before the tests.
+check:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m mypy
+
+test: setup check
 	$(PYTHON) -m pytest -q
+
+# The broker core and everything else that needs no Spark: seconds, not minutes.
+test-fast: setup
+	$(PYTHON) -m pytest -q -m "not spark"
 
 bench: setup
 	$(PYTHON) scripts/bench_broker.py --duration 10

@@ -1,4 +1,5 @@
 """`python -m jobs run|status|verify|resolve …`: the job's command line."""
+
 from jobs.reconcile import cli
 
 cli()

@@ -23,6 +23,7 @@ always right.
 A table read whole (the pending set, the queues) is read the same way, as
 the files of its snapshot (`snapshot_files`), under the same conditions.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,9 @@ from schemas.spark import spark_schema
 from txn_core.delta_log import LOG_DIR, entry_name, local_path, plain_reader, reader_duties
 from txn_core.storage import is_s3, options_for, storage_for
 
-_FILE_VERSIONS = StructType([StructField("_file", StringType(), False),
-                             StructField("commit_version", LongType(), False)])
+_FILE_VERSIONS = StructType(
+    [StructField("_file", StringType(), False), StructField("commit_version", LongType(), False)]
+)
 #: log entries fetched at once from an object store
 _PARALLEL_GETS = 16
 
@@ -99,8 +101,9 @@ def _log_entries(path: str, versions: range) -> list[tuple[int, list[dict]]] | N
 
     def get(version: int) -> bytes | None:
         try:
-            return client.get_object(Bucket=storage.bucket,
-                                     Key=f"{prefix}/{LOG_DIR}/{entry_name(version)}")["Body"].read()
+            return client.get_object(
+                Bucket=storage.bucket, Key=f"{prefix}/{LOG_DIR}/{entry_name(version)}"
+            )["Body"].read()
         except client.exceptions.NoSuchKey:
             return None
 
@@ -118,8 +121,11 @@ def _actions(entry: bytes) -> list[dict]:
 
 def _join(table_path: str, relative: str) -> str:
     root = local_path(table_path)
-    return os.path.join(root, relative) if root is not None else \
-        table_path.rstrip("/") + "/" + relative
+    return (
+        os.path.join(root, relative)
+        if root is not None
+        else table_path.rstrip("/") + "/" + relative
+    )
 
 
 def _plain(action: dict) -> bool:
@@ -132,12 +138,13 @@ def _plain(action: dict) -> bool:
     if "metaData" in action:
         meta = action["metaData"]
         config = meta.get("configuration") or {}
-        return (not meta.get("partitionColumns")
-                and config.get("delta.columnMapping.mode", "none") == "none")
+        return (
+            not meta.get("partitionColumns")
+            and config.get("delta.columnMapping.mode", "none") == "none"
+        )
     if "protocol" in action:
         protocol = action["protocol"]
-        return plain_reader(protocol.get("minReaderVersion", 1),
-                            protocol.get("readerFeatures"))
+        return plain_reader(protocol.get("minReaderVersion", 1), protocol.get("readerFeatures"))
     return True
 
 
@@ -158,6 +165,7 @@ def snapshot_files(path: str, version: int) -> list[str] | None:
 
 def _rs_table(path: str, version: int):
     from deltalake import DeltaTable as RsTable
+
     return RsTable(path, version=version, storage_options=options_for(path))
 
 
@@ -167,12 +175,19 @@ def plain_table(table) -> bool:
     return reader_duties(table) is None
 
 
-def read_appended(spark: SparkSession, files: list[tuple[int, str]],
-                  table: TableSchema) -> DataFrame:
+def read_appended(
+    spark: SparkSession, files: list[tuple[int, str]], table: TableSchema
+) -> DataFrame:
     """The rows of `files` (`appended_files`, not empty) in `table`'s
     columns, plus `commit_version`: the version that added each file."""
     versions = local_frame(spark, [(os.path.basename(f), v) for v, f in files], _FILE_VERSIONS)
-    rows = (spark.read.schema(spark_schema(table)).parquet(*[f for _, f in files])
-            .withColumn("_file", F.col("_metadata.file_name")))
-    return (rows.join(F.broadcast(versions), "_file").drop("_file")
-            .select(*table.names, "commit_version"))
+    rows = (
+        spark.read.schema(spark_schema(table))
+        .parquet(*[f for _, f in files])
+        .withColumn("_file", F.col("_metadata.file_name"))
+    )
+    return (
+        rows.join(F.broadcast(versions), "_file")
+        .drop("_file")
+        .select(*table.names, "commit_version")
+    )

@@ -22,6 +22,7 @@ deletes — with no CHECK constraint, invariant or generated column to
 enforce, and with the rows' columns. Anywhere else Delta's writer does the
 write, as it always may.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,6 +56,7 @@ def committable(path: str, df: DataFrame):
         return None
     from deltalake import DeltaTable as RsTable
     from deltalake.exceptions import TableNotFoundError
+
     try:
         table = RsTable(path)
     except TableNotFoundError:
@@ -62,8 +64,9 @@ def committable(path: str, df: DataFrame):
     if reader_duties(table) is not None or writer_duties(table) is not None:
         return None
     schema = table_schema(table)
-    same_columns = ([(f.name, f.dataType.simpleString()) for f in schema.fields]
-                    == [(f.name, f.dataType.simpleString()) for f in df.schema.fields])
+    same_columns = [(f.name, f.dataType.simpleString()) for f in schema.fields] == [
+        (f.name, f.dataType.simpleString()) for f in df.schema.fields
+    ]
     return table if same_columns else None
 
 
@@ -92,6 +95,7 @@ def stage(df: DataFrame, table) -> list:
     def write(staging: str) -> dict:
         _writer(df.select(*_not_null_checked(df, table_schema(table), root))).parquet(staging)
         return {0: staging}
+
     return _staged({0: table}, write)[0]
 
 
@@ -112,9 +116,13 @@ def stage_split(df: DataFrame, column: str, tables: dict) -> dict[str, list]:
         rows = df.where(F.col(column).isin(values))
         index = F.create_map(*[F.lit(x) for i, v in enumerate(values) for x in (v, i)])
         checked = _not_null_checked(rows.drop(column), strictest, where)
-        (_writer(rows.select(*checked, index[F.col(column)].alias(_SPLIT_COLUMN)))
-         .partitionBy(_SPLIT_COLUMN).parquet(staging))
+        (
+            _writer(rows.select(*checked, index[F.col(column)].alias(_SPLIT_COLUMN)))
+            .partitionBy(_SPLIT_COLUMN)
+            .parquet(staging)
+        )
         return {v: os.path.join(staging, f"{_SPLIT_COLUMN}={i}") for i, v in enumerate(values)}
+
     return _staged(tables, write)
 
 
@@ -131,8 +139,7 @@ def _staged(tables: dict, write) -> dict:
     staged = {}
     for key, table in tables.items():
         # no directory: no row for that table
-        added = (_moved_into_table(written[key], roots[key]) if os.path.isdir(written[key])
-                 else [])
+        added = _moved_into_table(written[key], roots[key]) if os.path.isdir(written[key]) else []
         staged[key] = _add_actions(table, roots[key], added)
     shutil.rmtree(staging)
     return staged
@@ -148,11 +155,16 @@ def commit(table, adds: list, mode: str, user_metadata: str) -> int:
     _check_mode(mode)
     from deltalake import CommitProperties
     from deltalake.transaction import PostCommitHookProperties
+
     table.create_write_transaction(
-        adds, mode=mode, schema=table.schema(),
+        adds,
+        mode=mode,
+        schema=table.schema(),
         commit_properties=CommitProperties(custom_metadata={"userMetadata": user_metadata}),
         post_commithook_properties=PostCommitHookProperties(
-            create_checkpoint=False, cleanup_expired_logs=False))
+            create_checkpoint=False, cleanup_expired_logs=False
+        ),
+    )
     table.update_incremental()
     version = table.version()
     _checkpoint_as_delta_does(table, version, table.metadata().configuration)
@@ -222,8 +234,7 @@ def _moved_into_table(written: str, root: str) -> list[str]:
 
 def _add_actions(table, root: str, names: list[str]) -> list:
     indexed = _indexed_columns(table_schema(table), table.metadata().configuration)
-    return [add for add in (_add_action(root, name, indexed) for name in names)
-            if add is not None]
+    return [add for add in (_add_action(root, name, indexed) for name in names) if add is not None]
 
 
 def _indexed_columns(schema: StructType, config: dict) -> list[str]:
@@ -242,6 +253,7 @@ def _add_action(root: str, name: str, indexed: list[str]):
     writes one for an empty DataFrame), which is deleted instead."""
     import pyarrow.parquet as pq
     from deltalake.transaction import AddAction
+
     full = os.path.join(root, name)
     metadata = pq.read_metadata(full)
     if metadata.num_rows == 0:

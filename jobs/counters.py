@@ -19,6 +19,7 @@ DataFrame itself, or an input that no optimisation can remove from its plan
     >>> counted.values()["committed"]                          # doctest: +SKIP
     850000
 """
+
 from __future__ import annotations
 
 from itertools import count
@@ -59,9 +60,12 @@ class Counters:
     def halves(self, half: DataFrame) -> DataFrame:
         """`half`, the new half rows `T.with_reject_reason`, counted (read,
         and set aside as rejected)."""
-        return self._observe("half", half, _rows().alias("half_read"),
-                             _where(f"{T.REJECT_REASON} IS NOT NULL")
-                             .alias("rejected_halves"))
+        return self._observe(
+            "half",
+            half,
+            _rows().alias("half_read"),
+            _where(f"{T.REJECT_REASON} IS NOT NULL").alias("rejected_halves"),
+        )
 
     def pending(self, pending_prev: DataFrame) -> DataFrame:
         return self._observe("pending", pending_prev, _rows().alias("pending_before"))
@@ -70,14 +74,21 @@ class Counters:
         """`classified` (`T.classify_ops`), counted by outcome. Called again
         for OPs classified again with the history: the last one counts."""
         return self._observe(
-            "ops", classified, _rows().alias("op_read"),
-            _where(f"outcome = '{OpOutcome.WIN}' AND action = '{Action.COMMIT}'").alias("committed"),
-            _where(f"outcome = '{OpOutcome.WIN}' AND action = '{Action.ROLLBACK}'").alias("rolled_back"),
+            "ops",
+            classified,
+            _rows().alias("op_read"),
+            _where(f"outcome = '{OpOutcome.WIN}' AND action = '{Action.COMMIT}'").alias(
+                "committed"
+            ),
+            _where(f"outcome = '{OpOutcome.WIN}' AND action = '{Action.ROLLBACK}'").alias(
+                "rolled_back"
+            ),
             _where(f"outcome = '{OpOutcome.DUPLICATE}'").alias("duplicate_ops"),
             _where(f"outcome = '{OpOutcome.CONFLICT}'").alias("conflicting_ops"),
             _where(f"outcome = '{OpOutcome.INVALID}'").alias("invalid_ops"),
             _where(f"outcome = '{OpOutcome.LATE}'").alias("late_ops"),
-            _where(f"reason = '{T.UNKNOWN_OFFSET}'").alias("_unknown_offset_ops"))
+            _where(f"reason = '{T.UNKNOWN_OFFSET}'").alias("_unknown_offset_ops"),
+        )
 
     def fates(self, fates: DataFrame, rules: T.Rules) -> DataFrame:
         """`fates` (`T.decide` on the messages no OP decided), counted by
@@ -85,14 +96,17 @@ class Counters:
         clock at which one becomes due (`T.due_at_ms` as the next run sees it)."""
         pending = f"decision IN ('{Decision.CHECK}', '{Decision.WAIT}')"
         return self._observe(
-            "fates", fates,
+            "fates",
+            fates,
             _where(f"decision = '{Decision.CHECK}'").alias("check_requests"),
             _where(f"decision = '{Decision.MAX_CHECKS}'").alias("discarded_max_checks"),
             _where(f"decision = '{Decision.EXPIRED}'").alias("discarded_expired"),
             _where(pending).alias("pending_after"),
             F.expr(f"max(CASE WHEN {pending} THEN age_ms END)").alias("oldest_pending_age_ms"),
-            F.min(F.when(F.expr(pending), T.due_at_ms(rules, last_check_ms=T.last_check_after(rules))))
-            .alias("next_due_ms"))
+            F.min(
+                F.when(F.expr(pending), T.due_at_ms(rules, last_check_ms=T.last_check_after(rules)))
+            ).alias("next_due_ms"),
+        )
 
     def values(self) -> dict:
         """Every counter observed so far; waits for the actions that compute them."""

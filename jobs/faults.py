@@ -12,6 +12,7 @@ concurrently, so these come in no fixed order, and a crash at one may find
 others done or under way — as a real crash would), and `after_commit` (the
 COMMITTED row is written, the lease not yet released).
 """
+
 from __future__ import annotations
 
 import os

@@ -14,9 +14,10 @@ The price: a local checkpoint cannot be recomputed. Should an executor
 holding part of one be lost mid-run (a cluster), the run fails, and the
 next run redoes it from its intent like any crashed run (I4).
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from pyspark.sql import DataFrame
 

@@ -3,9 +3,10 @@ the last run (their change data feed, or its files read as parquet), and the
 job's state tables as of the versions pinned in the run's intent, so that a
 redo of the run reads exactly what the first attempt read.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -51,9 +52,15 @@ def log_holds(spark: SparkSession, path: str, version: int) -> bool:
     return fs.exists(log_file)
 
 
-def added_rows(spark: SparkSession, path: str, table: TableSchema,
-               after: int, upto: int, *,
-               keep_slow: Callable[[DataFrame], DataFrame] | None = None) -> DataFrame:
+def added_rows(
+    spark: SparkSession,
+    path: str,
+    table: TableSchema,
+    after: int,
+    upto: int,
+    *,
+    keep_slow: Callable[[DataFrame], DataFrame] | None = None,
+) -> DataFrame:
     """Rows inserted in versions (after, upto], with their `commit_version`:
     the change data feed's inserts, read as parquet when the commits allow
     (`jobs.appends`). `keep_slow`: applied to the rows when they come from
@@ -72,35 +79,48 @@ def added_rows(spark: SparkSession, path: str, table: TableSchema,
             f"the Delta log of {path} no longer holds version {after + 1}, where the job's "
             f"cursor stands (cleaned up after the table's logRetentionDuration); the job "
             f"must run at least once within that window. Rows added since cannot be "
-            f"read incrementally; restore the log or raise the retention and rerun")
+            f"read incrementally; restore the log or raise the retention and rerun"
+        )
     files = appends.appended_files(path, after, upto)
     if files is not None:
-        return (appends.read_appended(spark, files, table) if files
-                else empty(spark, table, with_commit_version=True))
+        return (
+            appends.read_appended(spark, files, table)
+            if files
+            else empty(spark, table, with_commit_version=True)
+        )
     rows = change_feed_inserts(spark, path, after, upto)
     return keep_slow(rows) if keep_slow is not None else rows
 
 
 def change_feed_inserts(spark: SparkSession, path: str, after: int, upto: int) -> DataFrame:
     """The change data feed's inserts in versions (after, upto], with `commit_version`."""
-    return (spark.read.format("delta").option("readChangeFeed", "true")
-            .option("startingVersion", after + 1).option("endingVersion", upto).load(path)
-            .where(F.col("_change_type") == "insert")
-            .withColumnRenamed("_commit_version", "commit_version")
-            .drop("_change_type", "_commit_timestamp"))
+    return (
+        spark.read.format("delta")
+        .option("readChangeFeed", "true")
+        .option("startingVersion", after + 1)
+        .option("endingVersion", upto)
+        .load(path)
+        .where(F.col("_change_type") == "insert")
+        .withColumnRenamed("_commit_version", "commit_version")
+        .drop("_change_type", "_commit_timestamp")
+    )
 
 
 def input_paths(warehouse: str) -> dict[str, str]:
-    return {"half": table_path(warehouse, HALF), "op": table_path(warehouse, OP),
-            "answers": table_path(warehouse, CHECK_ANSWERS)}
+    return {
+        "half": table_path(warehouse, HALF),
+        "op": table_path(warehouse, OP),
+        "answers": table_path(warehouse, CHECK_ANSWERS),
+    }
 
 
 def state_version_key(table: TableSchema) -> str:
     return table.path
 
 
-def read_state(spark: SparkSession, warehouse: str, versions: dict[str, int],
-               table: TableSchema) -> DataFrame:
+def read_state(
+    spark: SparkSession, warehouse: str, versions: dict[str, int], table: TableSchema
+) -> DataFrame:
     """The state table as of the version pinned in `versions` (a run's intent).
 
     The tables a run reads whole (WHOLE_STATE_TABLES) are read as the parquet
@@ -113,6 +133,9 @@ def read_state(spark: SparkSession, warehouse: str, versions: dict[str, int],
     if table in WHOLE_STATE_TABLES and version != NO_VERSION:
         files = appends.snapshot_files(path, version)
         if files is not None:
-            return (spark.read.schema(spark_schema(table)).parquet(*files) if files
-                    else empty(spark, table))
+            return (
+                spark.read.schema(spark_schema(table)).parquet(*files)
+                if files
+                else empty(spark, table)
+            )
     return snapshot(spark, path, table, version)

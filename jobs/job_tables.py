@@ -1,5 +1,6 @@
 """The job's tables: which there are, creating them, their latest versions,
 and compacting the ones that only grow."""
+
 from __future__ import annotations
 
 import logging
@@ -62,6 +63,7 @@ def is_delta(path: str) -> bool:
     """Whether a Delta table is at `path` (a look at its log with delta-rs: no
     Spark job, see `latest_version`)."""
     from deltalake import DeltaTable as RsTable
+
     return RsTable.is_deltatable(path, storage_options=options_for(path))
 
 
@@ -77,9 +79,15 @@ def create_table(path: str, table: TableSchema) -> None:
     """
     from deltalake import CommitProperties
     from deltalake import DeltaTable as RsTable
-    RsTable.create(path, arrow_schema(table), mode="ignore",
-                   configuration=table_properties(table), storage_options=options_for(path),
-                   commit_properties=CommitProperties(max_commit_retries=0))
+
+    RsTable.create(
+        path,
+        arrow_schema(table),
+        mode="ignore",
+        configuration=table_properties(table),
+        storage_options=options_for(path),
+        commit_properties=CommitProperties(max_commit_retries=0),
+    )
 
 
 def table_properties(table: TableSchema) -> dict[str, str]:
@@ -114,6 +122,7 @@ def latest_version(path: str) -> int:
     """
     from deltalake import DeltaTable as RsTable
     from deltalake.exceptions import TableNotFoundError
+
     try:
         return RsTable(path, storage_options=options_for(path)).version()
     except TableNotFoundError:
@@ -130,6 +139,7 @@ def compact_job_tables(spark: SparkSession, warehouse: str) -> dict[str, int]:
     logged and left to the next round — the run it follows is already done.
     """
     from delta.tables import DeltaTable
+
     removed = {}
     for table in APPEND_ONLY_TABLES:
         path = table_path(warehouse, table)

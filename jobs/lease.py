@@ -12,6 +12,7 @@ While a run works, a background thread renews its lease (`renewed`), and
 the run checks it before each write (`keep_alive`): a run that stalls or
 loses its storage long enough for another to take over stops writing.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,9 +21,9 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
 
 import pyarrow as pa
 from deltalake import CommitProperties, write_deltalake
@@ -56,8 +57,14 @@ class LeaseRow:
 
 
 class Lease:
-    def __init__(self, warehouse: str, ttl_s: int, *, clock: Callable[[], float] = time.time,
-                 storage_options: dict[str, str] | None = None):
+    def __init__(
+        self,
+        warehouse: str,
+        ttl_s: int,
+        *,
+        clock: Callable[[], float] = time.time,
+        storage_options: dict[str, str] | None = None,
+    ):
         self.warehouse = warehouse
         self.ttl_ms = ttl_s * 1000
         self.clock = clock
@@ -87,18 +94,30 @@ class Lease:
 
     def _write(self, table, action: str, expires_ms: int) -> None:
         now = self._now_ms()
-        data = pa.Table.from_pylist([{
-            "holder": self.holder, "host": socket.gethostname(), "pid": os.getpid(),
-            "action": action, "wall_ms": now, "expires_ms": expires_ms}],
-            schema=arrow_schema(LEASE))
-        write_deltalake(table, data, mode="overwrite",
-                        commit_properties=CommitProperties(max_commit_retries=0))
+        data = pa.Table.from_pylist(
+            [
+                {
+                    "holder": self.holder,
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "action": action,
+                    "wall_ms": now,
+                    "expires_ms": expires_ms,
+                }
+            ],
+            schema=arrow_schema(LEASE),
+        )
+        write_deltalake(
+            table, data, mode="overwrite", commit_properties=CommitProperties(max_commit_retries=0)
+        )
 
-    def acquire(self) -> "Lease":
+    def acquire(self) -> Lease:
         table, row = self._read()
         if self._blocking(row):
-            raise LeaseHeld(f"another run holds the job's lease: {row.holder} (host {row.host}, "
-                            f"pid {row.pid}) until {row.expires_ms} ms; retry later")
+            raise LeaseHeld(
+                f"another run holds the job's lease: {row.holder} (host {row.host}, "
+                f"pid {row.pid}) until {row.expires_ms} ms; retry later"
+            )
         try:
             self._write(table, "ACQUIRE", self._now_ms() + self.ttl_ms)
         except (CommitFailedError, DeltaError) as exc:
@@ -129,8 +148,10 @@ class Lease:
         table, row = self._read()
         if row is None or row.holder != self.holder:
             self.held = False
-            raise LeaseLost(f"the job's lease was taken over by {row.holder if row else 'nobody'}"
-                            " while this run was working; its intent will be redone")
+            raise LeaseLost(
+                f"the job's lease was taken over by {row.holder if row else 'nobody'}"
+                " while this run was working; its intent will be redone"
+            )
         try:
             self._write(table, "RENEW", self._now_ms() + self.ttl_ms)
         except (CommitFailedError, DeltaError) as exc:

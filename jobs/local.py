@@ -16,9 +16,10 @@ plan altogether.
     >>> local_frame(spark, [("ORDER", 3)], schema).collect()    # doctest: +SKIP
     [Row(topic='ORDER', queue_id=3)]
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession

@@ -1,6 +1,7 @@
 """The computation of a run's outputs from its inputs: the rules of
 `jobs.transforms` in order, each write started as soon as its rows are known.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -44,9 +45,13 @@ BROADCAST_MAX_ROWS = 1_000_000
 _HALF_OFFSETS = StructType([StructField("half_offset", LongType(), False)])
 
 
-_QUEUE_ENDS = StructType([StructField("topic", StringType(), False),
-                          StructField("queue_id", IntegerType(), False),
-                          StructField("queue_offset", LongType(), False)])
+_QUEUE_ENDS = StructType(
+    [
+        StructField("topic", StringType(), False),
+        StructField("queue_id", IntegerType(), False),
+        StructField("queue_offset", LongType(), False),
+    ]
+)
 
 
 @dataclass
@@ -63,8 +68,9 @@ class Outputs:
     delivered_by_topic: dict = field(default_factory=dict)
 
 
-def compute(spark, wh: str, record: run_log.RunRecord, rules: T.Rules, held: Held,
-            writes: RunWrites | None) -> Outputs:
+def compute(
+    spark, wh: str, record: run_log.RunRecord, rules: T.Rules, held: Held, writes: RunWrites | None
+) -> Outputs:
     """The run's outputs (`jobs.transforms`' docstring has the order).
 
     The rules run on the messages' keys; the keys, the classified OPs and
@@ -84,12 +90,18 @@ def compute(spark, wh: str, record: run_log.RunRecord, rules: T.Rules, held: Hel
     """
     writing = writes is not None
     paths = inputs.input_paths(wh)
-    ops = inputs.added_rows(spark, paths["op"], OP, record.prev_op_version,
-                           record.op_version)
-    half = inputs.added_rows(spark, paths["half"], HALF, record.prev_half_version,
-                            record.half_version, keep_slow=held.cache)
-    answers = inputs.added_rows(spark, paths["answers"], CHECK_ANSWERS,
-                               record.prev_answers_version, record.answers_version)
+    ops = inputs.added_rows(spark, paths["op"], OP, record.prev_op_version, record.op_version)
+    half = inputs.added_rows(
+        spark,
+        paths["half"],
+        HALF,
+        record.prev_half_version,
+        record.half_version,
+        keep_slow=held.cache,
+    )
+    answers = inputs.added_rows(
+        spark, paths["answers"], CHECK_ANSWERS, record.prev_answers_version, record.answers_version
+    )
     pending_prev = inputs.read_state(spark, wh, record.state_versions, PENDING)
     queues = inputs.read_state(spark, wh, record.state_versions, QUEUES)
 
@@ -97,14 +109,16 @@ def compute(spark, wh: str, record: run_log.RunRecord, rules: T.Rules, held: Hel
     checked = T.with_reject_reason(half)
     _, rejected_halves = T.split_halves(checked, rules)
     accepted, _ = T.split_halves(counted.halves(checked), rules)
-    live = held.checkpoint(T.message_keys(
-        T.live_messages(counted.pending(pending_prev), accepted, rules)))
+    live = held.checkpoint(
+        T.message_keys(T.live_messages(counted.pending(pending_prev), accepted, rules))
+    )
     # the messages again, for the bodies of those decided, without the
     # observations (counted once) or the checks: a rejected half has no fate
     messages = T.live_messages(pending_prev, half, rules)
     no_history = T.history_targets(inputs.empty(spark, RESOLVED), inputs.empty(spark, DISCARD))
-    classified = held.checkpoint(counted.ops(
-        T.classify_ops(ops, T.op_targets(live, no_history), discards=False)))
+    classified = held.checkpoint(
+        counted.ops(T.classify_ops(ops, T.op_targets(live, no_history), discards=False))
+    )
     classified, discard_hist = _with_history(spark, wh, record, classified, held, counted)
     c = counted.values()
     won = T.winners(classified)
@@ -113,26 +127,33 @@ def compute(spark, wh: str, record: run_log.RunRecord, rules: T.Rules, held: Hel
     queue_ends = sorted(tuple(row) for row in T.queue_ends(won, queues).collect())
     delivered_by_topic = _delivered_by_topic(queue_ends)
     if writing and delivered_by_topic:  # a few rows, written first for the same reason
-        writes.start(T.next_queues(queues, _queue_ends_frame(spark, queue_ends), rules)
-                     .coalesce(1), table_path(wh, QUEUES), QUEUES.path, "overwrite")
+        writes.start(
+            T.next_queues(queues, _queue_ends_frame(spark, queue_ends), rules).coalesce(1),
+            table_path(wh, QUEUES),
+            QUEUES.path,
+            "overwrite",
+        )
     if writing and (c["committed"] or c["rolled_back"]):
-        writes.start(T.resolved_rows(won, rules), table_path(wh, RESOLVED), RESOLVED.path,
-                     "append")
+        writes.start(T.resolved_rows(won, rules), table_path(wh, RESOLVED), RESOLVED.path, "append")
     known = T.known_messages(messages, discard_hist)
     if writing and delivered_by_topic:  # the biggest write: started before the others are planned
-        delivered = T.with_bodies(T.queue_positions(won, queues), known,
-                                  broadcast=c["committed"] <= BROADCAST_MAX_ROWS)
+        delivered = T.with_bodies(
+            T.queue_positions(won, queues), known, broadcast=c["committed"] <= BROADCAST_MAX_ROWS
+        )
         start_deliveries(wh, T.deliveries(delivered, rules), delivered_by_topic, writes)
     few_won = c["committed"] + c["rolled_back"] <= BROADCAST_MAX_ROWS
     undecided = T.remaining_pending(live, won, broadcast=few_won)
-    decided = held.checkpoint(counted.fates(
-        T.decide(T.apply_answers(undecided, answers), rules), rules))
+    decided = held.checkpoint(
+        counted.fates(T.decide(T.apply_answers(undecided, answers), rules), rules)
+    )
     c = {k: v for k, v in counted.values().items() if not k.startswith("_")}
     # no new version: nothing to count, and no Spark job to wait for
-    c["answers_read"] = (answers.count() if record.answers_version > record.prev_answers_version
-                         else 0)
-    undelivered = T.with_bodies(decided, known,
-                                broadcast=_undelivered_rows(c) <= BROADCAST_MAX_ROWS)
+    c["answers_read"] = (
+        answers.count() if record.answers_version > record.prev_answers_version else 0
+    )
+    undelivered = T.with_bodies(
+        decided, known, broadcast=_undelivered_rows(c) <= BROADCAST_MAX_ROWS
+    )
     if writing and len(_tables_of_undelivered(c)) > 1:
         undelivered = held.checkpoint(undelivered)
 
@@ -144,7 +165,9 @@ def compute(spark, wh: str, record: run_log.RunRecord, rules: T.Rules, held: Hel
         discards=T.discards(with_decision(Decision.EXPIRED, Decision.MAX_CHECKS), rules),
         rejected=rejected_halves.unionByName(T.op_rejections(classified, rules)),
         pending=T.next_pending(with_decision(Decision.CHECK, Decision.WAIT), rules),
-        counts=c, delivered_by_topic=delivered_by_topic)
+        counts=c,
+        delivered_by_topic=delivered_by_topic,
+    )
 
 
 def _undelivered_rows(c: dict) -> int:
@@ -154,14 +177,17 @@ def _undelivered_rows(c: dict) -> int:
 
 def _tables_of_undelivered(c: dict) -> list[str]:
     """The tables this run writes from the messages it does not deliver."""
-    wanted = {CHECK_REQUESTS.path: c["check_requests"],
-              DISCARD.path: c["discarded_max_checks"] or c["discarded_expired"],
-              PENDING.path: _pending_changed(c)}
+    wanted = {
+        CHECK_REQUESTS.path: c["check_requests"],
+        DISCARD.path: c["discarded_max_checks"] or c["discarded_expired"],
+        PENDING.path: _pending_changed(c),
+    }
     return [table for table, written in wanted.items() if written]
 
 
-def _with_history(spark, wh: str, record: run_log.RunRecord, classified, held: Held,
-                  counted: Counters):
+def _with_history(
+    spark, wh: str, record: run_log.RunRecord, classified, held: Held, counted: Counters
+):
     """(`classified` (`T.classify_ops` against the live messages), corrected
     for the OPs that match no live message by what the resolved and discard
     tables say of their messages; the discard rows read: an ADMIN OP may
@@ -213,11 +239,16 @@ def _output_writes(wh: str, out: Outputs) -> list[tuple]:
     """(DataFrame, table path, app id, save mode) of each table this run
     changes, but those `compute` starts."""
     c = out.counts
-    frames = {CHECK_REQUESTS: (out.requests, "append"), DISCARD: (out.discards, "append"),
-              PENDING: (out.pending, "overwrite")}
-    writes = [(df, table_path(wh, table), table.path, mode)
-              for table, (df, mode) in frames.items()
-              if table.path in _tables_of_undelivered(c)]
+    frames = {
+        CHECK_REQUESTS: (out.requests, "append"),
+        DISCARD: (out.discards, "append"),
+        PENDING: (out.pending, "overwrite"),
+    }
+    writes = [
+        (df, table_path(wh, table), table.path, mode)
+        for table, (df, mode) in frames.items()
+        if table.path in _tables_of_undelivered(c)
+    ]
     if c["rejected_halves"] or c["invalid_ops"] or c["late_ops"]:
         writes.append((out.rejected, table_path(wh, REJECTED), REJECTED.path, "append"))
     return writes
@@ -225,5 +256,15 @@ def _output_writes(wh: str, out: Outputs) -> list[tuple]:
 
 def _pending_changed(c: dict) -> bool:
     """Whether the pending set differs from the one read (else keep the table as is)."""
-    return any(c[k] for k in ("half_read", "committed", "rolled_back", "check_requests",
-                              "discarded_max_checks", "discarded_expired", "answers_read"))
+    return any(
+        c[k]
+        for k in (
+            "half_read",
+            "committed",
+            "rolled_back",
+            "check_requests",
+            "discarded_max_checks",
+            "discarded_expired",
+            "answers_read",
+        )
+    )

@@ -10,6 +10,7 @@ store, 75 another run holds the lease. `--dry-run` computes the run that
 would be done next (the redo if one is due) and prints its summary; it takes
 no lease and writes nothing, not even missing tables.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,12 +22,12 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file by spark-submit: make `jobs`, `schemas`, … importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jobs.faults import InjectedFault  # noqa: E402
-from jobs.lease import EXIT_LEASE_HELD, Lease, LeaseHeld  # noqa: E402
-from jobs.run import RunSummary, idle_ahead, reconcile, recover  # noqa: E402
-from jobs.session import use_warehouse  # noqa: E402
-from txn_core.config import Config, ConfigError, load_config  # noqa: E402
-from txn_core.vocabulary import Action, Source  # noqa: E402
+from jobs.faults import InjectedFault
+from jobs.lease import EXIT_LEASE_HELD, Lease, LeaseHeld
+from jobs.run import RunSummary, idle_ahead, reconcile, recover
+from jobs.session import use_warehouse
+from txn_core.config import Config, ConfigError, load_config
+from txn_core.vocabulary import Action, Source
 
 __all__ = ["RunSummary", "build_parser", "cli", "idle_ahead", "main", "reconcile", "recover"]
 
@@ -34,13 +35,24 @@ __all__ = ["RunSummary", "build_parser", "cli", "idle_ahead", "main", "reconcile
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
-_RULE_FLAGS = ("transaction_timeout_ms", "check_max", "check_interval_ms", "reserved_hours",
-               "max_checks_per_run", "check_budget", "lease_ttl_s")
+_RULE_FLAGS = (
+    "transaction_timeout_ms",
+    "check_max",
+    "check_interval_ms",
+    "reserved_hours",
+    "max_checks_per_run",
+    "check_budget",
+    "lease_ttl_s",
+)
 
 
 #: the object store's settings (docs/operating.md, "A warehouse on S3")
-_STORE_FLAGS = {"s3_endpoint": str, "s3_region": str, "s3_path_style": "bool",
-                "s3_allow_http": "bool"}
+_STORE_FLAGS = {
+    "s3_endpoint": str,
+    "s3_region": str,
+    "s3_path_style": "bool",
+    "s3_allow_http": "bool",
+}
 
 
 def _boolean(text: str) -> bool:
@@ -56,26 +68,38 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--warehouse", help="root of all tables (overrides file and env)")
     for key in _RULE_FLAGS:
         kind = str if key == "check_budget" else int
-        common.add_argument("--" + key.replace("_", "-"), type=kind, default=None,
-                            help=f"override configuration key {key}")
+        common.add_argument(
+            "--" + key.replace("_", "-"),
+            type=kind,
+            default=None,
+            help=f"override configuration key {key}",
+        )
     for key, store_kind in _STORE_FLAGS.items():
-        common.add_argument("--" + key.replace("_", "-"), default=None,
-                            type=_boolean if store_kind == "bool" else str,
-                            metavar="true|false" if store_kind == "bool" else None,
-                            help=f"override configuration key {key}")
+        common.add_argument(
+            "--" + key.replace("_", "-"),
+            default=None,
+            type=_boolean if store_kind == "bool" else str,
+            metavar="true|false" if store_kind == "bool" else None,
+            help=f"override configuration key {key}",
+        )
     parser = argparse.ArgumentParser(
         prog="txn-reconcile",
-        description="Reconciliation job for transactional messages on Delta Lake")
+        description="Reconciliation job for transactional messages on Delta Lake",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", parents=[common], help="one reconciliation run")
     run.add_argument("--now-ms", type=int, help="the clock of every time rule (ms)")
-    run.add_argument("--dry-run", action="store_true",
-                     help="compute and print the summary; write nothing, take no lease")
+    run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="compute and print the summary; write nothing, take no lease",
+    )
     status = sub.add_parser("status", parents=[common], help="report the pending set")
     status.add_argument("--now-ms", type=int, help="the clock for pending ages (ms)")
     sub.add_parser("verify", parents=[common], help="full audit of the tables (SPEC §6)")
-    resolve = sub.add_parser("resolve", parents=[common],
-                             help="operator decision for one transaction (an ADMIN OP)")
+    resolve = sub.add_parser(
+        "resolve", parents=[common], help="operator decision for one transaction (an ADMIN OP)"
+    )
     resolve.add_argument("--transaction-id", required=True)
     decision = resolve.add_mutually_exclusive_group(required=True)
     decision.add_argument("--commit", action="store_true")
@@ -87,8 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        cfg = load_config(args.conf, warehouse=args.warehouse,
-                          **{k: getattr(args, k) for k in (*_RULE_FLAGS, *_STORE_FLAGS)})
+        cfg = load_config(
+            args.conf,
+            warehouse=args.warehouse,
+            **{k: getattr(args, k) for k in (*_RULE_FLAGS, *_STORE_FLAGS)},
+        )
         # An object store is checked before the lease or Spark: exit 2 names what is wrong.
         use_warehouse(None, cfg)
         return _COMMANDS[args.command](args, cfg)
@@ -107,6 +134,7 @@ def _fail(code: int, message: str) -> int:
 
 def _spark(*, short_lived: bool = False):
     from jobs.session import build_spark
+
     return build_spark("txn-reconcile", short_lived=short_lived)
 
 
@@ -142,6 +170,7 @@ def _predict_idle(cfg: Config, now_ms: int | None) -> bool:
 
 def _cmd_status(args, cfg: Config) -> int:
     from jobs.status import status
+
     report = status(_spark(), cfg, now_ms=args.now_ms)
     print(json.dumps(report.to_dict()), flush=True)
     return EXIT_OK
@@ -149,6 +178,7 @@ def _cmd_status(args, cfg: Config) -> int:
 
 def _cmd_verify(args, cfg: Config) -> int:
     from jobs.verify import verify
+
     report = verify(_spark(), cfg)
     print(json.dumps(report.to_dict(), default=str), flush=True)
     print(report.render(), file=sys.stderr)
@@ -157,19 +187,27 @@ def _cmd_verify(args, cfg: Config) -> int:
 
 def _cmd_resolve(args, cfg: Config) -> int:
     from txn_core import Broker
+
     broker = Broker.open(cfg)
     try:
         broker.resolve(args.transaction_id, commit=args.commit, remark=args.remark)
     finally:
         broker.close()
-    print(json.dumps({"transaction_id": args.transaction_id,
-                      "action": Action.COMMIT if args.commit else Action.ROLLBACK,
-                      "source": Source.ADMIN, "remark": args.remark}), flush=True)
+    print(
+        json.dumps(
+            {
+                "transaction_id": args.transaction_id,
+                "action": Action.COMMIT if args.commit else Action.ROLLBACK,
+                "source": Source.ADMIN,
+                "remark": args.remark,
+            }
+        ),
+        flush=True,
+    )
     return EXIT_OK
 
 
-_COMMANDS = {"run": _cmd_run, "status": _cmd_status, "verify": _cmd_verify,
-             "resolve": _cmd_resolve}
+_COMMANDS = {"run": _cmd_run, "status": _cmd_status, "verify": _cmd_verify, "resolve": _cmd_resolve}
 
 
 def cli() -> None:

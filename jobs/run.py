@@ -12,6 +12,7 @@ the redo skips the writes whose tagged commit it finds (I4,
 `tagged_writes.write_for_run`). A dry run computes the run that would be done next
 and writes nothing.
 """
+
 from __future__ import annotations
 
 import json
@@ -73,9 +74,15 @@ class RunSummary(run_log.InputVersions):
         return json.dumps(self.to_dict(), sort_keys=False)
 
 
-def reconcile(spark, config: Config | dict, now_ms: int | None = None, *,
-              dry_run: bool = False, lease: Lease | None = None,
-              clock=time.time) -> RunSummary:
+def reconcile(
+    spark,
+    config: Config | dict,
+    now_ms: int | None = None,
+    *,
+    dry_run: bool = False,
+    lease: Lease | None = None,
+    clock=time.time,
+) -> RunSummary:
     """Run the job once (after completing an interrupted run, if any).
 
     `now_ms` fixes the clock of every time rule (default: the wall clock).
@@ -153,10 +160,12 @@ def _nothing_to_do(last: run_log.RunRecord | None, intent: run_log.RunRecord) ->
     would write nothing but its run records."""
     if last is None or last.status != RunStatus.COMMITTED:
         return False
-    unchanged = ((last.half_version, last.op_version, last.answers_version)
-                 == (intent.half_version, intent.op_version, intent.answers_version))
-    same_rules = T.Rules.from_json(last.rules_json).same_rules(
-        T.Rules.from_json(intent.rules_json))
+    unchanged = (last.half_version, last.op_version, last.answers_version) == (
+        intent.half_version,
+        intent.op_version,
+        intent.answers_version,
+    )
+    same_rules = T.Rules.from_json(last.rules_json).same_rules(T.Rules.from_json(intent.rules_json))
     pending, due = last.counters.get("pending_after"), last.counters.get("next_due_ms")
     nothing_due = pending == 0 or (due is not None and intent.now_ms < due)
     return unchanged and same_rules and nothing_due
@@ -172,28 +181,42 @@ def idle_ahead(config: Config | dict, now_ms: int | None = None) -> bool:
     if last is None:
         return False
     intent = _new_intent(None, cfg.warehouse, last, cfg, now_ms)
-    return (_nothing_to_do(last, intent)
-            and intent.run_number % job_tables.COMPACT_EVERY_RUNS != 0)
+    return _nothing_to_do(last, intent) and intent.run_number % job_tables.COMPACT_EVERY_RUNS != 0
 
 
-def _record_idle_run(wh: str, last: run_log.RunRecord,
-                     intent: run_log.RunRecord) -> RunSummary:
+def _record_idle_run(wh: str, last: run_log.RunRecord, intent: run_log.RunRecord) -> RunSummary:
     """The run record of a run with nothing to do, written as one COMMITTED
     row: with no other write there is nothing for an intent to make atomic."""
     started = time.time()
     prev = last.counters
     oldest = prev.get("oldest_pending_age_ms")
     summary = RunSummary(
-        run_id=intent.run_id, now_ms=intent.now_ms, half_read=0, op_read=0,
-        pending_before=prev["pending_after"], pending_after=prev["pending_after"],
-        committed=0, rolled_back=0, check_requests=0, discarded_max_checks=0,
-        discarded_expired=0, duplicate_ops=0, conflicting_ops=0, invalid_ops=0, late_ops=0,
+        run_id=intent.run_id,
+        now_ms=intent.now_ms,
+        half_read=0,
+        op_read=0,
+        pending_before=prev["pending_after"],
+        pending_after=prev["pending_after"],
+        committed=0,
+        rolled_back=0,
+        check_requests=0,
+        discarded_max_checks=0,
+        discarded_expired=0,
+        duplicate_ops=0,
+        conflicting_ops=0,
+        invalid_ops=0,
+        late_ops=0,
         delivered_by_topic={},
         # the same messages, older by the time since the last run
-        oldest_pending_age_ms=(None if oldest is None
-                               else max(oldest + intent.now_ms - last.now_ms, 0)),
-        duration_ms=0, run_number=intent.run_number, **intent.input_versions(),
-        next_due_ms=prev.get("next_due_ms"), idle=True)
+        oldest_pending_age_ms=(
+            None if oldest is None else max(oldest + intent.now_ms - last.now_ms, 0)
+        ),
+        duration_ms=0,
+        run_number=intent.run_number,
+        **intent.input_versions(),
+        next_due_ms=prev.get("next_due_ms"),
+        idle=True,
+    )
     summary.duration_ms = int((time.time() - started) * 1000)
     _commit(wh, intent, summary)
     return summary
@@ -201,8 +224,11 @@ def _record_idle_run(wh: str, last: run_log.RunRecord,
 
 def _dry_run(spark, cfg: Config, now_ms: int | None) -> RunSummary:
     last = run_log.last_run(cfg.warehouse)
-    record = (last if last is not None and last.status == RunStatus.STARTED
-              else _new_intent(spark, cfg.warehouse, last, cfg, now_ms))
+    record = (
+        last
+        if last is not None and last.status == RunStatus.STARTED
+        else _new_intent(spark, cfg.warehouse, last, cfg, now_ms)
+    )
     summary = _execute(spark, cfg.warehouse, record, lease=None, write=False).summary
     summary.dry_run = True
     return summary
@@ -211,33 +237,43 @@ def _dry_run(spark, cfg: Config, now_ms: int | None) -> RunSummary:
 def _ensure_tables(warehouse: str) -> None:
     if not job_tables.is_delta(table_path(warehouse, HALF)):
         from txn_core.tables import ensure_broker_tables
+
         ensure_broker_tables(warehouse)
     job_tables.ensure_job_tables(warehouse)
 
 
-def _new_intent(spark, wh: str, last: run_log.RunRecord | None, cfg: Config,
-                now_ms: int | None) -> run_log.RunRecord:
+def _new_intent(
+    spark, wh: str, last: run_log.RunRecord | None, cfg: Config, now_ms: int | None
+) -> run_log.RunRecord:
     paths = inputs.input_paths(wh)
     # OPs first, halves after: every OP read then has its half in the half
     # snapshot, because a producer writes an OP only after its half is durable.
     op_v = job_tables.latest_version(paths["op"])
     half_v = job_tables.latest_version(paths["half"])
     answers_v = job_tables.latest_version(paths["answers"])
-    versions = {t.path: job_tables.latest_version(table_path(wh, t))
-                for t in job_tables.STATE_TABLES}
+    versions = {
+        t.path: job_tables.latest_version(table_path(wh, t)) for t in job_tables.STATE_TABLES
+    }
     number = (last.run_number if last else 0) + 1
     now = int(time.time() * 1000) if now_ms is None else now_ms
     run_id = f"run-{number:08d}-{now}"
     rules = T.Rules.from_config(cfg, run_id=run_id, run_number=number, now_ms=now)
     nothing = job_tables.NO_VERSION
     return run_log.RunRecord(
-        run_id=run_id, run_number=number, status=RunStatus.STARTED, now_ms=now,
+        run_id=run_id,
+        run_number=number,
+        status=RunStatus.STARTED,
+        now_ms=now,
         started_ms=int(time.time() * 1000),
-        half_version=half_v, op_version=op_v, answers_version=answers_v,
+        half_version=half_v,
+        op_version=op_v,
+        answers_version=answers_v,
         prev_half_version=last.half_version if last else nothing,
         prev_op_version=last.op_version if last else nothing,
         prev_answers_version=last.answers_version if last else nothing,
-        state_versions=versions, rules_json=rules.to_json())
+        state_versions=versions,
+        rules_json=rules.to_json(),
+    )
 
 
 @dataclass
@@ -246,8 +282,14 @@ class _Executed:
     summary: RunSummary
 
 
-def _execute(spark, wh: str, record: run_log.RunRecord, lease: Lease | None,
-             write: bool = True, redo: bool = False) -> _Executed:
+def _execute(
+    spark,
+    wh: str,
+    record: run_log.RunRecord,
+    lease: Lease | None,
+    write: bool = True,
+    redo: bool = False,
+) -> _Executed:
     """Compute the run of `record` and, if `write`, write it; `redo`: a
     crashed attempt of this run may have written some of its tables."""
     started = time.time()
@@ -274,17 +316,28 @@ def _summary(record: run_log.RunRecord, out: Outputs, duration_ms: int) -> RunSu
     names = {f.name for f in fields(RunSummary)}
     values = {k: v for k, v in c.items() if k in names}
     return RunSummary(
-        run_id=record.run_id, now_ms=record.now_ms, delivered_by_topic=out.delivered_by_topic,
-        duration_ms=duration_ms, run_number=record.run_number, **record.input_versions(),
-        **values)
+        run_id=record.run_id,
+        now_ms=record.now_ms,
+        delivered_by_topic=out.delivered_by_topic,
+        duration_ms=duration_ms,
+        run_number=record.run_number,
+        **record.input_versions(),
+        **values,
+    )
 
 
 def _commit(wh: str, record: run_log.RunRecord, summary: RunSummary) -> run_log.RunRecord:
     d = summary.to_dict()
-    done = run_log.RunRecord(**{**record.__dict__, "status": RunStatus.COMMITTED,
-                              "ended_ms": int(time.time() * 1000),
-                              "counters": d, "delivered_by_topic": summary.delivered_by_topic,
-                              "summary_json": summary.to_json()})
+    done = run_log.RunRecord(
+        **{
+            **record.__dict__,
+            "status": RunStatus.COMMITTED,
+            "ended_ms": int(time.time() * 1000),
+            "counters": d,
+            "delivered_by_topic": summary.delivered_by_topic,
+            "summary_json": summary.to_json(),
+        }
+    )
     run_log.write_run_record(wh, done)
     fault_point("after_commit")
     return done

@@ -1,6 +1,7 @@
 """`_sys/runs`: a run's intent (STARTED) and record (COMMITTED), written and
 read with delta-rs, off Spark's critical path.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,12 +55,14 @@ class RunRecord(InputVersions):
         row = {k: v for k, v in self.__dict__.items() if k != "counters"}
         row["state_versions"] = dict(sorted(self.state_versions.items()))
         from schemas.tables import RUN_COUNTERS
+
         row.update({name: self.counters.get(name) for name in RUN_COUNTERS})
         return row
 
     @classmethod
-    def from_row(cls, row: dict) -> "RunRecord":
+    def from_row(cls, row: dict) -> RunRecord:
         from schemas.tables import RUN_COUNTERS
+
         base = {k: row[k] for k in cls.__dataclass_fields__ if k != "counters"}
         base["state_versions"] = dict(base["state_versions"])
         if base["delivered_by_topic"] is not None:
@@ -71,6 +74,7 @@ def last_run(warehouse: str) -> RunRecord | None:
     """The latest run: its COMMITTED record, or its STARTED one if it never
     finished. Read with delta-rs (see `latest_version`)."""
     from txn_core.tables import latest_run_rows
+
     rows = latest_run_rows(warehouse)
     if not rows:
         return None
@@ -91,11 +95,17 @@ def write_run_record(warehouse: str, record: RunRecord) -> None:
     The table is the same Delta table to Spark (verify, compaction).
     """
     from deltalake import CommitProperties, write_deltalake
+
     row = pa.Table.from_pylist([record.to_row()], schema=arrow_schema(RUNS))
     tag = run_tag(record.run_number, f"{RUNS.path}:{record.status}")
     path = table_path(warehouse, RUNS)
-    write_deltalake(path, row, mode="append", storage_options=options_for(path),
-                    commit_properties=CommitProperties(custom_metadata={"userMetadata": tag}))
+    write_deltalake(
+        path,
+        row,
+        mode="append",
+        storage_options=options_for(path),
+        commit_properties=CommitProperties(custom_metadata={"userMetadata": tag}),
+    )
 
 
 def decode_json(text: str | None) -> dict:

@@ -9,11 +9,12 @@ notebook on a machine where only pip ran) the session asks Spark's Ivy
 resolver for `DELTA_JAR`, which looks in `~/.m2` before the network — the
 same jars, but resolving them costs ~3 s of every start.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 DELTA_JAR = "io.delta:delta-spark_4.2_2.13:4.4.0"
 #: Spark's s3a file system, for a warehouse on S3: the version of the Hadoop
@@ -76,8 +77,13 @@ SHORT_LIVED_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 LONG_RUN_GC = "-XX:-G1UseAdaptiveIHOP -XX:InitiatingHeapOccupancyPercent=75"
 
 
-def build_spark(app_name: str = "txn-reconcile", master: str | None = None,
-                conf: Mapping[str, str] | None = None, *, short_lived: bool = False):
+def build_spark(
+    app_name: str = "txn-reconcile",
+    master: str | None = None,
+    conf: Mapping[str, str] | None = None,
+    *,
+    short_lived: bool = False,
+):
     """Return a SparkSession with Delta Lake.
 
     Under `spark-submit` (or with an active session) the master and the jars
@@ -100,10 +106,12 @@ def build_spark(app_name: str = "txn-reconcile", master: str | None = None,
     if not submitted:
         builder = builder.master(master or os.environ.get("TXN_SPARK_MASTER", "local[2]"))
         jars = resolved_jars()
-        builder = (builder.config("spark.jars", ",".join(jars)) if jars
-                   else builder.config("spark.jars.packages", DELTA_JAR))
-        builder = builder.config("spark.driver.extraJavaOptions",
-                                 driver_java_options(short_lived))
+        builder = (
+            builder.config("spark.jars", ",".join(jars))
+            if jars
+            else builder.config("spark.jars.packages", DELTA_JAR)
+        )
+        builder = builder.config("spark.driver.extraJavaOptions", driver_java_options(short_lived))
     for key, value in {**_DEFAULTS, **(conf or {})}.items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()

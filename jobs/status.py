@@ -1,4 +1,5 @@
 """`status`: what is pending, as of the last committed run (SPEC §5.1)."""
+
 from __future__ import annotations
 
 import time
@@ -38,23 +39,33 @@ def status(spark, config: Config | dict, now_ms: int | None = None) -> StatusRep
     now = int(time.time() * 1000) if now_ms is None else now_ms
     last = run_log.last_run(wh)
     path = table_path(wh, PENDING)
-    pending = (spark.read.format("delta").load(path) if job_tables.is_delta(path)
-               else inputs.empty(spark, PENDING)).cache()
+    pending = (
+        spark.read.format("delta").load(path)
+        if job_tables.is_delta(path)
+        else inputs.empty(spark, PENDING)
+    ).cache()
     try:
         total = pending.agg(F.count(F.lit(1)).alias("n"), F.min("store_ms").alias("oldest")).first()
-        by = lambda c: {r[c]: r["n"] for r in pending.groupBy(c)  # noqa: E731
-                        .agg(F.count(F.lit(1)).alias("n")).orderBy(c).collect()}
+
+        def by(c: str) -> dict:
+            rows = pending.groupBy(c).agg(F.count(F.lit(1)).alias("n")).orderBy(c).collect()
+            return {r[c]: r["n"] for r in rows}
+
         half_v = job_tables.latest_version(table_path(wh, HALF))
         read_v = last.half_version if last else job_tables.NO_VERSION
         return StatusReport(
-            warehouse=wh, now_ms=now,
+            warehouse=wh,
+            now_ms=now,
             last_run_id=last.run_id if last else None,
             last_run_status=last.status if last else None,
             interrupted=bool(last and last.status == RunStatus.STARTED),
             pending=total["n"],
-            oldest_pending_age_ms=(max(now - total["oldest"], 0)
-                                   if total["oldest"] is not None else None),
-            pending_by_producer_group=by("producer_group"), pending_by_topic=by("topic"),
-            unread_half_versions=max(half_v - read_v, 0))
+            oldest_pending_age_ms=(
+                max(now - total["oldest"], 0) if total["oldest"] is not None else None
+            ),
+            pending_by_producer_group=by("producer_group"),
+            pending_by_topic=by("topic"),
+            unread_half_versions=max(half_v - read_v, 0),
+        )
     finally:
         pending.unpersist()

@@ -2,11 +2,12 @@
 the run and the table, so that a redo finds the commits its crashed attempt
 made and skips them (I4).
 """
+
 from __future__ import annotations
 
 import functools
 import json
-from typing import Callable
+from collections.abc import Callable
 
 from pyspark.sql import DataFrame
 
@@ -27,8 +28,9 @@ def _read_tag(user_metadata: str | None) -> tuple[int, str] | None:
         return None  # not a commit of the job's writes (creation, compaction, an operator's)
 
 
-def write_for_run(df: DataFrame, path: str, run_number: int, app: str, *,
-                  mode: str = "append", redo: bool = False) -> bool:
+def write_for_run(
+    df: DataFrame, path: str, run_number: int, app: str, *, mode: str = "append", redo: bool = False
+) -> bool:
     """Write `df` as run `run_number`'s commit to `path`, tagged with the run
     (`run_tag`). On a redo, skip the write when the crashed attempt already
     committed it (`committed_by_run`). Returns whether it wrote.
@@ -66,15 +68,16 @@ def split_tables(df: DataFrame, column: str, paths: dict[str, str]) -> dict | No
     return None if any(table is None for table in tables.values()) else tables
 
 
-def split_commits(df: DataFrame, column: str,
-                  tables: dict) -> dict[str, Callable[[str], int]]:
+def split_commits(df: DataFrame, column: str, tables: dict) -> dict[str, Callable[[str], int]]:
     """Stage the rows of `df` for `tables` (`split_tables`), each row to the
     table of its `column` value, in one Spark job (`commits.stage_split`);
     each table's append as a function of its commit's userMetadata
     (`run_tag`)."""
     staged = commits.stage_split(df, column, tables)
-    return {value: functools.partial(commits.commit, tables[value], staged[value], "append")
-            for value in tables}
+    return {
+        value: functools.partial(commits.commit, tables[value], staged[value], "append")
+        for value in tables
+    }
 
 
 def committed_by_run(path: str, run_number: int, app: str) -> bool:
@@ -89,6 +92,7 @@ def committed_by_run(path: str, run_number: int, app: str) -> bool:
     """
     from deltalake import DeltaTable as RsTable
     from deltalake.exceptions import TableNotFoundError
+
     try:
         table = RsTable(path, storage_options=options_for(path))
     except TableNotFoundError:

@@ -20,6 +20,7 @@ once, onto every decided message (`with_bodies`), and each output table
 takes its rows from there: the costly columns never go through the rules'
 joins and sorts.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,8 +59,16 @@ BODY_COLUMNS = ("msg_id", "tags", "keys", "body", "properties", "born_ms")
 MESSAGE_KEY_COLUMNS = tuple(c for c in PENDING.names if c not in BODY_COLUMNS)
 #: what a run decides about a message (`queue_positions`, `decide`), as
 #: opposed to the message itself: all `with_bodies` takes from the decision
-FATE_COLUMNS = ("half_offset", "decision", "queue_offset", "commit_ms", "checks_sent",
-                "checks_undecided", "last_check_ms", "age_ms")
+FATE_COLUMNS = (
+    "half_offset",
+    "decision",
+    "queue_offset",
+    "commit_ms",
+    "checks_sent",
+    "checks_undecided",
+    "last_check_ms",
+    "age_ms",
+)
 #: an OP as the job reads it: its row and the table version that added it
 OP_COLUMNS = (*OP.names, "commit_version")
 
@@ -82,18 +91,23 @@ class Rules:
     check_budget: str
 
     @classmethod
-    def from_config(cls, config, *, run_id: str, run_number: int, now_ms: int) -> "Rules":
-        return cls(run_id=run_id, run_number=run_number, now_ms=now_ms,
-                   transaction_timeout_ms=config.transaction_timeout_ms,
-                   check_max=config.check_max, check_interval_ms=config.check_interval_ms,
-                   reserved_ms=config.reserved_hours * 3_600_000,
-                   max_checks_per_run=config.max_checks_per_run,
-                   check_budget=config.check_budget)
+    def from_config(cls, config, *, run_id: str, run_number: int, now_ms: int) -> Rules:
+        return cls(
+            run_id=run_id,
+            run_number=run_number,
+            now_ms=now_ms,
+            transaction_timeout_ms=config.transaction_timeout_ms,
+            check_max=config.check_max,
+            check_interval_ms=config.check_interval_ms,
+            reserved_ms=config.reserved_hours * 3_600_000,
+            max_checks_per_run=config.max_checks_per_run,
+            check_budget=config.check_budget,
+        )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
-    def same_rules(self, other: "Rules") -> bool:
+    def same_rules(self, other: Rules) -> bool:
         """Whether both decide alike at the same clock (run identity aside)."""
         mine, theirs = asdict(self), asdict(other)
         for key in ("run_id", "run_number", "now_ms"):
@@ -101,7 +115,7 @@ class Rules:
         return mine == theirs
 
     @classmethod
-    def from_json(cls, text: str) -> "Rules":
+    def from_json(cls, text: str) -> Rules:
         return cls(**json.loads(text))
 
 
@@ -115,8 +129,12 @@ def conform(df: DataFrame, table: TableSchema, *extra: str) -> DataFrame:
     """
     have = {f.name: f.dataType for f in df.schema.fields}
     names = [*table.names, *extra]
-    exprs = [f"`{c.name}`" if have.get(c.name) == spark_type(c.type)
-             else f"CAST(`{c.name}` AS {c.type}) AS `{c.name}`" for c in table.columns]
+    exprs = [
+        f"`{c.name}`"
+        if have.get(c.name) == spark_type(c.type)
+        else f"CAST(`{c.name}` AS {c.type}) AS `{c.name}`"
+        for c in table.columns
+    ]
     if list(have) == names and all(not e.startswith("CAST") for e in exprs):
         return df
     return df.selectExpr(*exprs, *[f"`{name}`" for name in extra])
@@ -124,13 +142,16 @@ def conform(df: DataFrame, table: TableSchema, *extra: str) -> DataFrame:
 
 # --- 1. new half rows ----------------------------------------------------------
 
+
 def half_reject_reason() -> Column:
     """Why a half row cannot be processed, or null. Evaluated per row: one bad
     row is set aside and never stops the others (SPEC §5.2 step 7)."""
     topic = F.col("topic")
-    return (F.when(~topic.rlike(TOPIC_PATTERN), F.lit("invalid topic name"))
-            .when(topic.rlike(SYSTEM_TOPIC_REGEX), F.lit("system topic name"))
-            .when(F.col("queue_id") < 0, F.lit("negative queue_id")))
+    return (
+        F.when(~topic.rlike(TOPIC_PATTERN), F.lit("invalid topic name"))
+        .when(topic.rlike(SYSTEM_TOPIC_REGEX), F.lit("system topic name"))
+        .when(F.col("queue_id") < 0, F.lit("negative queue_id"))
+    )
 
 
 #: the column `with_reject_reason` adds
@@ -147,26 +168,28 @@ def with_reject_reason(new_half: DataFrame) -> DataFrame:
 def split_halves(new_half: DataFrame, rules: Rules) -> tuple[DataFrame, DataFrame]:
     """(accepted half rows, REJECTED rows for the others); `new_half` may
     come `with_reject_reason` already."""
-    tagged = (new_half if REJECT_REASON in new_half.columns
-              else with_reject_reason(new_half))
+    tagged = new_half if REJECT_REASON in new_half.columns else with_reject_reason(new_half)
     reason = F.col(REJECT_REASON)
     accepted = tagged.where(reason.isNull()).drop(REJECT_REASON)
-    rejected = (tagged.where(reason.isNotNull())
-                .select(F.lit(HALF.path).alias("source_table"),
-                        F.col("half_offset").alias("row_offset"),
-                        "transaction_id", "producer_group",
-                        reason.alias("reason"),
-                        F.lit(rules.run_id).alias("run_id")))
+    rejected = tagged.where(reason.isNotNull()).select(
+        F.lit(HALF.path).alias("source_table"),
+        F.col("half_offset").alias("row_offset"),
+        "transaction_id",
+        "producer_group",
+        reason.alias("reason"),
+        F.lit(rules.run_id).alias("run_id"),
+    )
     return accepted, conform(rejected, REJECTED)
 
 
 def live_messages(pending_prev: DataFrame, accepted_half: DataFrame, rules: Rules) -> DataFrame:
     """The messages this run may resolve or check: the carried pending set plus new halves."""
-    fresh = (accepted_half
-             .withColumn("checks_sent", F.lit(0))
-             .withColumn("checks_undecided", F.lit(0))
-             .withColumn("last_check_ms", F.lit(None).cast("bigint"))
-             .withColumn("run_number", F.lit(rules.run_number)))
+    fresh = (
+        accepted_half.withColumn("checks_sent", F.lit(0))
+        .withColumn("checks_undecided", F.lit(0))
+        .withColumn("last_check_ms", F.lit(None).cast("bigint"))
+        .withColumn("run_number", F.lit(rules.run_number))
+    )
     return conform(pending_prev, PENDING).unionByName(conform(fresh, PENDING))
 
 
@@ -177,27 +200,59 @@ def message_keys(messages: DataFrame) -> DataFrame:
 
 # --- 2. OPs ----------------------------------------------------------------
 
+
 def history_targets(resolved: DataFrame, discarded: DataFrame) -> DataFrame:
     """What the history says about some messages: how they were resolved
     (`prior_action`) and whether they were discarded."""
-    res = resolved.select("half_offset", "transaction_id", "producer_group", "topic",
-                          F.lit(None).cast("int").alias("queue_id"),
-                          F.col("action").alias("prior_action"),
-                          F.col("after_discard").alias("discarded"))
-    dis = discarded.select("half_offset", "transaction_id", "producer_group", "topic",
-                           "queue_id", F.lit(None).cast("string").alias("prior_action"),
-                           F.lit(True).alias("discarded"))
+    res = resolved.select(
+        "half_offset",
+        "transaction_id",
+        "producer_group",
+        "topic",
+        F.lit(None).cast("int").alias("queue_id"),
+        F.col("action").alias("prior_action"),
+        F.col("after_discard").alias("discarded"),
+    )
+    dis = discarded.select(
+        "half_offset",
+        "transaction_id",
+        "producer_group",
+        "topic",
+        "queue_id",
+        F.lit(None).cast("string").alias("prior_action"),
+        F.lit(True).alias("discarded"),
+    )
     # the rows of one message agree on its identity; max() just picks it deterministically
-    return (res.unionByName(dis).groupBy("half_offset")
-            .agg(*[F.max(c).alias(c) for c in ("transaction_id", "producer_group", "topic",
-                                               "queue_id", "prior_action", "discarded")]))
+    return (
+        res.unionByName(dis)
+        .groupBy("half_offset")
+        .agg(
+            *[
+                F.max(c).alias(c)
+                for c in (
+                    "transaction_id",
+                    "producer_group",
+                    "topic",
+                    "queue_id",
+                    "prior_action",
+                    "discarded",
+                )
+            ]
+        )
+    )
 
 
 def op_targets(live: DataFrame, history: DataFrame) -> DataFrame:
     """Every message an OP of this run may refer to, with its identity and queue."""
-    pending = live.select("half_offset", "transaction_id", "producer_group", "topic",
-                          "queue_id", F.lit(None).cast("string").alias("prior_action"),
-                          F.lit(False).alias("discarded"))
+    pending = live.select(
+        "half_offset",
+        "transaction_id",
+        "producer_group",
+        "topic",
+        "queue_id",
+        F.lit(None).cast("string").alias("prior_action"),
+        F.lit(False).alias("discarded"),
+    )
     return pending.unionByName(history)
 
 
@@ -209,8 +264,10 @@ def _sql_strings(values) -> str:
 _VALID_OP = f"(action IN {_sql_strings(Action)} AND source IN {_sql_strings(Source)})"
 _ADMIN_OP = f"({_VALID_OP} AND source = '{Source.ADMIN}')"
 # valid OPs first, in commit order; the same for every candidate winner
-_OP_RANK = ("PARTITION BY half_offset, transaction_id, producer_group "
-            f"ORDER BY {_VALID_OP} DESC, commit_version, op_offset")
+_OP_RANK = (
+    "PARTITION BY half_offset, transaction_id, producer_group "
+    f"ORDER BY {_VALID_OP} DESC, commit_version, op_offset"
+)
 # every frame runs from the group's first row: the valid rows come first,
 # so the first row holds the first valid action whenever there is one
 _UPTO_HERE = f"({_OP_RANK} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)"
@@ -228,8 +285,17 @@ _OP_OUTCOME = f"""CASE WHEN _late THEN '{OpOutcome.LATE}'
                                               ELSE _first_action END) THEN '{OpOutcome.DUPLICATE}'
     ELSE '{OpOutcome.CONFLICT}' END"""
 # the working columns classify_ops drops from what it returns
-_CLASSIFY_WORK = ("_t_txn", "_t_group", "prior_action", "_invalid", "_late", "_first",
-                  "_first_action", "_first_admin", "_first_admin_action")
+_CLASSIFY_WORK = (
+    "_t_txn",
+    "_t_group",
+    "prior_action",
+    "_invalid",
+    "_late",
+    "_first",
+    "_first_action",
+    "_first_admin",
+    "_first_admin_action",
+)
 
 
 def classify_ops(ops: DataFrame, targets: DataFrame, *, discards: bool = True) -> DataFrame:
@@ -255,38 +321,55 @@ def classify_ops(ops: DataFrame, targets: DataFrame, *, discards: bool = True) -
     took ~1,000 calls into the JVM, ~0.15 s of every run's driver.
     """
     if discards:  # for a discarded message, only ADMIN OPs count
-        admin_ranks = (f"{_ADMIN_OP} AND count(CASE WHEN {_ADMIN_OP} THEN 1 END) "
-                       f"OVER {_UPTO_HERE} = 1 AS _first_admin",
-                       f"first(CASE WHEN {_ADMIN_OP} THEN action END, true) "
-                       f"OVER {_UPTO_HERE} AS _first_admin_action")
+        admin_ranks = (
+            f"{_ADMIN_OP} AND count(CASE WHEN {_ADMIN_OP} THEN 1 END) "
+            f"OVER {_UPTO_HERE} = 1 AS _first_admin",
+            f"first(CASE WHEN {_ADMIN_OP} THEN action END, true) "
+            f"OVER {_UPTO_HERE} AS _first_admin_action",
+        )
     else:
         admin_ranks = ("false AS _first_admin", "CAST(NULL AS STRING) AS _first_admin_action")
-    ranked = (ops.repartition("half_offset")  # the join's partitioning: no second shuffle
-              .selectExpr("*", f"{_VALID_OP} AND row_number() OVER ({_OP_RANK}) = 1 AS _first",
-                          f"first(CASE WHEN {_VALID_OP} THEN action END) "
-                          f"OVER {_UPTO_HERE} AS _first_action",
-                          *admin_ranks))
-    t = targets.selectExpr("half_offset", "transaction_id AS _t_txn",
-                           "producer_group AS _t_group", "topic", "queue_id", "prior_action",
-                           "discarded")
-    joined = (ranked.join(t, "half_offset", "left")
-              .selectExpr("*", f"{_OP_INVALID} AS _invalid")
-              .selectExpr("*", f"_invalid IS NULL AND {_DISCARDED} AND source != '{Source.ADMIN}' AS _late"))
+    ranked = ops.repartition(
+        "half_offset"
+    ).selectExpr(  # the join's partitioning: no second shuffle
+        "*",
+        f"{_VALID_OP} AND row_number() OVER ({_OP_RANK}) = 1 AS _first",
+        f"first(CASE WHEN {_VALID_OP} THEN action END) OVER {_UPTO_HERE} AS _first_action",
+        *admin_ranks,
+    )
+    t = targets.selectExpr(
+        "half_offset",
+        "transaction_id AS _t_txn",
+        "producer_group AS _t_group",
+        "topic",
+        "queue_id",
+        "prior_action",
+        "discarded",
+    )
+    joined = (
+        ranked.join(t, "half_offset", "left")
+        .selectExpr("*", f"{_OP_INVALID} AS _invalid")
+        .selectExpr(
+            "*", f"_invalid IS NULL AND {_DISCARDED} AND source != '{Source.ADMIN}' AS _late"
+        )
+    )
     kept = [f"`{c}`" for c in joined.columns if c not in _CLASSIFY_WORK]
     return joined.selectExpr(
-        *kept, "coalesce(_invalid, CASE WHEN _late THEN 'message discarded' END) AS reason",
-        f"{_OP_OUTCOME} AS outcome")
+        *kept,
+        "coalesce(_invalid, CASE WHEN _late THEN 'message discarded' END) AS reason",
+        f"{_OP_OUTCOME} AS outcome",
+    )
 
 
 def unmatched_op_keys(classified: DataFrame) -> DataFrame:
     """half_offsets of the OPs `classify_ops` found no target for: against
     the live messages alone, these are the ones that need the history."""
-    return (classified.where(F.col("reason") == UNKNOWN_OFFSET)
-            .select("half_offset").distinct())
+    return classified.where(F.col("reason") == UNKNOWN_OFFSET).select("half_offset").distinct()
 
 
-def reclassify_with_history(classified: DataFrame, keys: DataFrame,
-                            history: DataFrame) -> DataFrame:
+def reclassify_with_history(
+    classified: DataFrame, keys: DataFrame, history: DataFrame
+) -> DataFrame:
     """`classified` (against the live messages), with the OPs for `keys`
     (`unmatched_op_keys`) classified again against `history`
     (`history_targets`). OPs of different messages never meet in
@@ -299,24 +382,39 @@ def reclassify_with_history(classified: DataFrame, keys: DataFrame,
 def op_rejections(classified: DataFrame, rules: Rules) -> DataFrame:
     """REJECTED rows for OPs never applied (invalid or late), for audit."""
     bad = classified.where(F.col("outcome").isin(OpOutcome.INVALID, OpOutcome.LATE))
-    return conform(bad.select(F.lit("_sys/op").alias("source_table"),
-                              F.col("op_offset").alias("row_offset"),
-                              "transaction_id", "producer_group",
-                              F.concat(F.col("outcome"), F.lit(": "), F.col("reason"))
-                              .alias("reason"),
-                              F.lit(rules.run_id).alias("run_id")), REJECTED)
+    return conform(
+        bad.select(
+            F.lit("_sys/op").alias("source_table"),
+            F.col("op_offset").alias("row_offset"),
+            "transaction_id",
+            "producer_group",
+            F.concat(F.col("outcome"), F.lit(": "), F.col("reason")).alias("reason"),
+            F.lit(rules.run_id).alias("run_id"),
+        ),
+        REJECTED,
+    )
 
 
 def winners(classified: DataFrame) -> DataFrame:
     """The winning OPs: the message each decides (its keys: the OP matched
     them) and the decision."""
     return classified.where(F.col("outcome") == OpOutcome.WIN).select(
-        "half_offset", "transaction_id", "producer_group", "topic", "queue_id",
-        "action", "source", "op_offset", "commit_version",
-        F.col("store_ms").alias("op_store_ms"), "discarded")
+        "half_offset",
+        "transaction_id",
+        "producer_group",
+        "topic",
+        "queue_id",
+        "action",
+        "source",
+        "op_offset",
+        "commit_version",
+        F.col("store_ms").alias("op_store_ms"),
+        "discarded",
+    )
 
 
 # --- 3. deliveries ---------------------------------------------------------
+
 
 def queue_positions(won: DataFrame, queues: DataFrame) -> DataFrame:
     """Where each winning COMMIT goes: dense queue offsets per (topic,
@@ -325,14 +423,20 @@ def queue_positions(won: DataFrame, queues: DataFrame) -> DataFrame:
     base = queues.select("topic", "queue_id", "next_queue_offset")
     order = Window.partitionBy("topic", "queue_id").orderBy("commit_version", "op_offset")
     # only what the ordering and the fate need: every row goes through a sort
-    return (won.where(F.col("action") == Action.COMMIT)
-            .select("half_offset", "topic", "queue_id", "commit_version", "op_offset",
-                    "op_store_ms")
-            .join(base, ["topic", "queue_id"], "left")
-            .select("half_offset", "topic", "queue_id",
-                    (F.coalesce(F.col("next_queue_offset"), F.lit(0))
-                     + F.row_number().over(order) - 1).alias("queue_offset"),
-                    F.col("op_store_ms").alias("commit_ms")))
+    return (
+        won.where(F.col("action") == Action.COMMIT)
+        .select("half_offset", "topic", "queue_id", "commit_version", "op_offset", "op_store_ms")
+        .join(base, ["topic", "queue_id"], "left")
+        .select(
+            "half_offset",
+            "topic",
+            "queue_id",
+            (
+                F.coalesce(F.col("next_queue_offset"), F.lit(0)) + F.row_number().over(order) - 1
+            ).alias("queue_offset"),
+            F.col("op_store_ms").alias("commit_ms"),
+        )
+    )
 
 
 def queue_ends(won: DataFrame, queues: DataFrame) -> DataFrame:
@@ -346,12 +450,20 @@ def queue_ends(won: DataFrame, queues: DataFrame) -> DataFrame:
     (a grouping of the winners, not a sort of them).
     """
     base = queues.select("topic", "queue_id", "next_queue_offset")
-    return (won.where(F.col("action") == Action.COMMIT)
-            .groupBy("topic", "queue_id").agg(F.count(F.lit(1)).alias("delivered"))
-            .join(base, ["topic", "queue_id"], "left")
-            .select("topic", "queue_id", "delivered",
-                    (F.coalesce(F.col("next_queue_offset"), F.lit(0)) + F.col("delivered") - 1)
-                    .alias("last_queue_offset")))
+    return (
+        won.where(F.col("action") == Action.COMMIT)
+        .groupBy("topic", "queue_id")
+        .agg(F.count(F.lit(1)).alias("delivered"))
+        .join(base, ["topic", "queue_id"], "left")
+        .select(
+            "topic",
+            "queue_id",
+            "delivered",
+            (F.coalesce(F.col("next_queue_offset"), F.lit(0)) + F.col("delivered") - 1).alias(
+                "last_queue_offset"
+            ),
+        )
+    )
 
 
 def known_messages(messages: DataFrame, discarded: DataFrame) -> DataFrame:
@@ -379,30 +491,45 @@ def with_bodies(fates: DataFrame, messages: DataFrame, *, broadcast: bool = Fals
 def deliveries(settled: DataFrame, rules: Rules) -> DataFrame:
     """TOPIC rows (plus `topic`) of `settled` (queue positions joined
     `with_bodies`)."""
-    rows = (settled.withColumn("delivered_ms", F.lit(rules.now_ms))
-            .withColumn("run_id", F.lit(rules.run_id)))
+    rows = settled.withColumn("delivered_ms", F.lit(rules.now_ms)).withColumn(
+        "run_id", F.lit(rules.run_id)
+    )
     return conform(rows, TOPIC, "topic")
 
 
 def next_queues(queues: DataFrame, positions: DataFrame, rules: Rules) -> DataFrame:
     """The QUEUES table after this run's deliveries (`queue_positions`, or
     just each queue's last one: only the maximum queue_offset counts)."""
-    moved = (positions.groupBy("topic", "queue_id")
-             .agg((F.max("queue_offset") + 1).alias("next_queue_offset"))
-             .withColumn("run_number", F.lit(rules.run_number)))
+    moved = (
+        positions.groupBy("topic", "queue_id")
+        .agg((F.max("queue_offset") + 1).alias("next_queue_offset"))
+        .withColumn("run_number", F.lit(rules.run_number))
+    )
     kept = queues.join(moved.select("topic", "queue_id"), ["topic", "queue_id"], "left_anti")
     return conform(kept, QUEUES).unionByName(conform(moved, QUEUES))
 
 
 def resolved_rows(won: DataFrame, rules: Rules) -> DataFrame:
-    return conform(won.select("half_offset", "transaction_id", "producer_group", "topic",
-                              "action", "source", "op_offset",
-                              F.col("commit_version").alias("op_version"), "op_store_ms",
-                              F.col("discarded").alias("after_discard"),
-                              F.lit(rules.run_id).alias("run_id")), RESOLVED)
+    return conform(
+        won.select(
+            "half_offset",
+            "transaction_id",
+            "producer_group",
+            "topic",
+            "action",
+            "source",
+            "op_offset",
+            F.col("commit_version").alias("op_version"),
+            "op_store_ms",
+            F.col("discarded").alias("after_discard"),
+            F.lit(rules.run_id).alias("run_id"),
+        ),
+        RESOLVED,
+    )
 
 
 # --- 4. what stays pending -------------------------------------------------
+
 
 def remaining_pending(live: DataFrame, won: DataFrame, *, broadcast: bool = False) -> DataFrame:
     """The live messages no OP of this run decided. `broadcast`: `won` is
@@ -416,14 +543,19 @@ def apply_answers(pending: DataFrame, answers: DataFrame) -> DataFrame:
     """Count check answers without a decision (UNKNOWN/ERROR) towards the
     `answered` budget: one per request_id, only for the message's own group
     and transaction."""
-    undecided = (answers.where(F.col("answer").isin(*CheckAnswer))
-                 .groupBy("half_offset", "transaction_id", "producer_group")
-                 .agg(F.countDistinct("request_id").alias("_answered")))
-    return (pending.join(undecided, ["half_offset", "transaction_id", "producer_group"], "left")
-            .withColumn("checks_undecided",
-                        (F.col("checks_undecided") + F.coalesce(F.col("_answered"), F.lit(0)))
-                        .cast("int"))
-            .drop("_answered"))
+    undecided = (
+        answers.where(F.col("answer").isin(*CheckAnswer))
+        .groupBy("half_offset", "transaction_id", "producer_group")
+        .agg(F.countDistinct("request_id").alias("_answered"))
+    )
+    return (
+        pending.join(undecided, ["half_offset", "transaction_id", "producer_group"], "left")
+        .withColumn(
+            "checks_undecided",
+            (F.col("checks_undecided") + F.coalesce(F.col("_answered"), F.lit(0))).cast("int"),
+        )
+        .drop("_answered")
+    )
 
 
 def age_ms(rules: Rules) -> Column:
@@ -433,33 +565,45 @@ def age_ms(rules: Rules) -> Column:
 
 def immunity_ms(rules: Rules) -> Column:
     own = F.col("check_immunity_s")
-    return (F.when(own.isNotNull() & (own >= 0), own.cast("bigint") * 1000)
-            .otherwise(F.lit(rules.transaction_timeout_ms).cast("bigint")))
+    return F.when(own.isNotNull() & (own >= 0), own.cast("bigint") * 1000).otherwise(
+        F.lit(rules.transaction_timeout_ms).cast("bigint")
+    )
 
 
 def decide(pending: DataFrame, rules: Rules) -> DataFrame:
     """Add `age_ms` and `decision` (EXPIRED, MAX_CHECKS, CHECK, WAIT) per message."""
     counted = F.col("checks_sent" if rules.check_budget == "sent" else "checks_undecided")
-    interval_over = (F.col("last_check_ms").isNull()
-                     | (F.lit(rules.now_ms) - F.col("last_check_ms")
-                        >= F.lit(rules.check_interval_ms)))
+    interval_over = F.col("last_check_ms").isNull() | (
+        F.lit(rules.now_ms) - F.col("last_check_ms") >= F.lit(rules.check_interval_ms)
+    )
     due = (F.col("age_ms") > immunity_ms(rules)) & interval_over
-    decision = (F.when(F.col("age_ms") > F.lit(rules.reserved_ms), F.lit(Decision.EXPIRED))
-                .when(due & (counted >= F.lit(rules.check_max)), F.lit(Decision.MAX_CHECKS))
-                .when(due, F.lit(Decision.CHECK))
-                .otherwise(F.lit(Decision.WAIT)))
+    decision = (
+        F.when(F.col("age_ms") > F.lit(rules.reserved_ms), F.lit(Decision.EXPIRED))
+        .when(due & (counted >= F.lit(rules.check_max)), F.lit(Decision.MAX_CHECKS))
+        .when(due, F.lit(Decision.CHECK))
+        .otherwise(F.lit(Decision.WAIT))
+    )
     flagged = pending.withColumn("age_ms", age_ms(rules)).withColumn("decision", decision)
     if rules.max_checks_per_run <= 0:
         return flagged
-    chosen = (flagged.where(F.col("decision") == Decision.CHECK)
-              .select("half_offset", "store_ms")
-              .orderBy("store_ms", "half_offset").limit(rules.max_checks_per_run)
-              .select("half_offset", F.lit(True).alias("_chosen")))
-    return (flagged.join(chosen, "half_offset", "left")
-            .withColumn("decision", F.when((F.col("decision") == Decision.CHECK)
-                                           & F.col("_chosen").isNull(), F.lit(Decision.WAIT))
-                        .otherwise(F.col("decision")))
-            .drop("_chosen"))
+    chosen = (
+        flagged.where(F.col("decision") == Decision.CHECK)
+        .select("half_offset", "store_ms")
+        .orderBy("store_ms", "half_offset")
+        .limit(rules.max_checks_per_run)
+        .select("half_offset", F.lit(True).alias("_chosen"))
+    )
+    return (
+        flagged.join(chosen, "half_offset", "left")
+        .withColumn(
+            "decision",
+            F.when(
+                (F.col("decision") == Decision.CHECK) & F.col("_chosen").isNull(),
+                F.lit(Decision.WAIT),
+            ).otherwise(F.col("decision")),
+        )
+        .drop("_chosen")
+    )
 
 
 def due_at_ms(rules: Rules, last_check_ms: Column | None = None) -> Column:
@@ -474,47 +618,55 @@ def due_at_ms(rules: Rules, last_check_ms: Column | None = None) -> Column:
     """
     expires = F.col("store_ms") + F.lit(rules.reserved_ms + 1)
     last = F.col("last_check_ms") if last_check_ms is None else last_check_ms
-    interval_over = F.coalesce(last + F.lit(rules.check_interval_ms),
-                               F.col("store_ms"))
+    interval_over = F.coalesce(last + F.lit(rules.check_interval_ms), F.col("store_ms"))
     due = F.greatest(F.col("store_ms") + immunity_ms(rules) + F.lit(1), interval_over)
     return F.least(expires, due).cast("bigint")
 
 
 def discards(decided: DataFrame, rules: Rules) -> DataFrame:
-    rows = (decided.where(F.col("decision").isin(Decision.EXPIRED, Decision.MAX_CHECKS))
-            .withColumn("check_times", F.col("checks_sent"))
-            .withColumn("reason", F.col("decision"))
-            .withColumn("discarded_ms", F.lit(rules.now_ms))
-            .withColumn("run_id", F.lit(rules.run_id)))
+    rows = (
+        decided.where(F.col("decision").isin(Decision.EXPIRED, Decision.MAX_CHECKS))
+        .withColumn("check_times", F.col("checks_sent"))
+        .withColumn("reason", F.col("decision"))
+        .withColumn("discarded_ms", F.lit(rules.now_ms))
+        .withColumn("run_id", F.lit(rules.run_id))
+    )
     return conform(rows, DISCARD)
 
 
 def check_requests(decided: DataFrame, rules: Rules) -> DataFrame:
     """One request per message checked; request_id is stable across redos of the run."""
-    rows = (decided.where(F.col("decision") == Decision.CHECK)
-            .withColumn("request_id", F.concat(F.lit(rules.run_id + "-"),
-                                               F.col("half_offset").cast("string")))
-            .withColumn("run_id", F.lit(rules.run_id))
-            .withColumn("check_times", F.col("checks_sent") + 1)
-            .withColumn("requested_ms", F.lit(rules.now_ms)))
+    rows = (
+        decided.where(F.col("decision") == Decision.CHECK)
+        .withColumn(
+            "request_id", F.concat(F.lit(rules.run_id + "-"), F.col("half_offset").cast("string"))
+        )
+        .withColumn("run_id", F.lit(rules.run_id))
+        .withColumn("check_times", F.col("checks_sent") + 1)
+        .withColumn("requested_ms", F.lit(rules.now_ms))
+    )
     return conform(rows, CHECK_REQUESTS)
 
 
 def last_check_after(rules: Rules) -> Column:
     """A decided row's last_check_ms once this run is done: now if it is checked."""
-    return (F.when(F.col("decision") == Decision.CHECK, F.lit(rules.now_ms))
-            .otherwise(F.col("last_check_ms")))
+    return F.when(F.col("decision") == Decision.CHECK, F.lit(rules.now_ms)).otherwise(
+        F.col("last_check_ms")
+    )
 
 
 def still_pending(decided: DataFrame, rules: Rules) -> DataFrame:
     """The CHECK and WAIT rows of `decided` as the next run will see them
     (a check counted), with whatever columns `decided` has."""
     checked = F.col("decision") == Decision.CHECK
-    return (decided.where(F.col("decision").isin(Decision.CHECK, Decision.WAIT))
-            .withColumn("checks_sent", F.when(checked, F.col("checks_sent") + 1)
-                        .otherwise(F.col("checks_sent")))
-            .withColumn("last_check_ms", last_check_after(rules))
-            .withColumn("run_number", F.lit(rules.run_number)))
+    return (
+        decided.where(F.col("decision").isin(Decision.CHECK, Decision.WAIT))
+        .withColumn(
+            "checks_sent", F.when(checked, F.col("checks_sent") + 1).otherwise(F.col("checks_sent"))
+        )
+        .withColumn("last_check_ms", last_check_after(rules))
+        .withColumn("run_number", F.lit(rules.run_number))
+    )
 
 
 def next_pending(decided: DataFrame, rules: Rules) -> DataFrame:

@@ -28,6 +28,7 @@ recomputed; each discard row is checked instead against the rule it names
 (EXPIRED: older than reserved_hours at that run; MAX_CHECKS: as many checks
 as check_max) and against the OPs the run had seen.
 """
+
 from __future__ import annotations
 
 import json
@@ -71,12 +72,26 @@ from txn_core.vocabulary import (
 # them did not come from the broker core and is set aside by the job.
 # The message's content as the half row has it; a topic, pending or discard row
 # must carry it unchanged (I3).
-CONTENT = ("transaction_id", "msg_id", "producer_group", "queue_id", "tags", "keys", "body",
-           "properties", "born_ms")
+CONTENT = (
+    "transaction_id",
+    "msg_id",
+    "producer_group",
+    "queue_id",
+    "tags",
+    "keys",
+    "body",
+    "properties",
+    "born_ms",
+)
 MAX_LISTED = 1000
 
 DELIVERED, ROLLED_BACK, DISCARDED, PENDING_FATE, REJECTED_FATE = (
-    "DELIVERED", "ROLLED_BACK", "DISCARDED", "PENDING", "REJECTED")
+    "DELIVERED",
+    "ROLLED_BACK",
+    "DISCARDED",
+    "PENDING",
+    "REJECTED",
+)
 
 
 @dataclass
@@ -95,19 +110,25 @@ class VerifyReport:
         return sum(self.differences_by_kind.values())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "counts": self.counts,
-                "differences_by_kind": self.differences_by_kind,
-                "total_differences": self.total_differences,
-                "differences": self.differences, "notes": self.notes,
-                "judged_run": self.judged_run}
+        return {
+            "ok": self.ok,
+            "counts": self.counts,
+            "differences_by_kind": self.differences_by_kind,
+            "total_differences": self.total_differences,
+            "differences": self.differences,
+            "notes": self.notes,
+            "judged_run": self.judged_run,
+        }
 
     def render(self) -> str:
         lines = [f"verify: {'OK' if self.ok else 'FAILED'}"]
         if self.judged_run:
             r = self.judged_run
-            lines.append(f"judged up to run {r['run_number']} ({r['run_id']}): "
-                         f"_sys/half version {r['half_version']}, "
-                         f"_sys/op version {r['op_version']}")
+            lines.append(
+                f"judged up to run {r['run_number']} ({r['run_id']}): "
+                f"_sys/half version {r['half_version']}, "
+                f"_sys/op version {r['op_version']}"
+            )
         else:
             lines.append("no committed run yet: nothing is judged, outputs must be empty")
         lines.append("counts: " + ", ".join(f"{k}={v}" for k, v in self.counts.items()))
@@ -122,8 +143,10 @@ class VerifyReport:
                 who = f"half_offset={d['half_offset']}" if d["half_offset"] is not None else ""
                 if d.get("transaction_id"):
                     who += f" transaction_id={d['transaction_id']}"
-                lines.append(f"  [{d['kind']}] {d['table'] or ''} {who.strip()}: "
-                             f"expected {d['expected']}; found {d['found']}")
+                lines.append(
+                    f"  [{d['kind']}] {d['table'] or ''} {who.strip()}: "
+                    f"expected {d['expected']}; found {d['found']}"
+                )
             if len(self.differences) < self.total_differences:
                 lines.append(f"  ... {self.total_differences - len(self.differences)} more")
         return "\n".join(lines)
@@ -134,6 +157,7 @@ class VerifyReport:
 
 # --- reading -----------------------------------------------------------------
 
+
 def _read(spark: SparkSession, path: str, schema, version: int | None = None) -> DataFrame:
     if not job_tables.is_delta(path) or (version is not None and version < 0):
         return local_frame(spark, [], schema)
@@ -143,8 +167,9 @@ def _read(spark: SparkSession, path: str, schema, version: int | None = None) ->
     return reader.load(path)
 
 
-def _with_versions(spark: SparkSession, path: str, table: TableSchema, upto: int,
-                   notes: list[str]) -> DataFrame:
+def _with_versions(
+    spark: SparkSession, path: str, table: TableSchema, upto: int, notes: list[str]
+) -> DataFrame:
     """Every row inserted up to version `upto`, with its `cv` (commit version)
     and `dated` (whether `cv` is known).
 
@@ -162,23 +187,35 @@ def _with_versions(spark: SparkSession, path: str, table: TableSchema, upto: int
     stays approximate (both count as read by the first run). The report says so.
     """
     if upto < 0 or not job_tables.is_delta(path):
-        return (inputs.empty(spark, table).withColumn("cv", F.lit(None).cast("bigint"))
-                .withColumn("dated", F.lit(True)))
+        return (
+            inputs.empty(spark, table)
+            .withColumn("cv", F.lit(None).cast("bigint"))
+            .withColumn("dated", F.lit(True))
+        )
     try:
-        return (inputs.added_rows(spark, path, table, -1, upto)
-                .withColumnRenamed("commit_version", "cv").withColumn("dated", F.lit(True)))
+        return (
+            inputs.added_rows(spark, path, table, -1, upto)
+            .withColumnRenamed("commit_version", "cv")
+            .withColumn("dated", F.lit(True))
+        )
     except inputs.HistoryGoneError:
         pass  # the log no longer holds version 0
-    notes.append(f"{path}: the log no longer holds version 0; rows older than the "
-                 f"log are dated 0 (read by the first run), and their commit order is "
-                 f"taken from the job's records")
+    notes.append(
+        f"{path}: the log no longer holds version 0; rows older than the "
+        f"log are dated 0 (read by the first run), and their commit order is "
+        f"taken from the job's records"
+    )
     snap = spark.read.format("delta").option("versionAsOf", upto).load(path)
     known = spark.sql(f"DESCRIBE HISTORY delta.`{path}`").agg(F.min("version")).first()[0]
-    dated = (inputs.added_rows(spark, path, table, known, upto)
-             .select(*[F.col(c) for c in snap.columns], F.col("commit_version").alias("cv")))
+    dated = inputs.added_rows(spark, path, table, known, upto).select(
+        *[F.col(c) for c in snap.columns], F.col("commit_version").alias("cv")
+    )
     old = snap.join(dated.select(*snap.columns[:1]), snap.columns[:1], "left_anti")
-    return (old.withColumn("cv", F.lit(0).cast("bigint")).withColumn("dated", F.lit(False))
-            .unionByName(dated.withColumn("dated", F.lit(True))))
+    return (
+        old.withColumn("cv", F.lit(0).cast("bigint"))
+        .withColumn("dated", F.lit(False))
+        .unionByName(dated.withColumn("dated", F.lit(True)))
+    )
 
 
 def _newer_rows(spark: SparkSession, path: str, judged_rows: int) -> int:
@@ -209,11 +246,15 @@ def _committed_runs(spark: SparkSession, warehouse: str):
         seen = by_number.get(row["run_number"])
         if seen is None or row["status"] == RunStatus.COMMITTED:
             by_number[row["run_number"]] = row
-    committed = [by_number[n] for n in sorted(by_number)
-                 if by_number[n]["status"] == RunStatus.COMMITTED]
+    committed = [
+        by_number[n] for n in sorted(by_number) if by_number[n]["status"] == RunStatus.COMMITTED
+    ]
     last = max(by_number) if by_number else None
-    incomplete = by_number[last] if last is not None and by_number[last]["status"] != RunStatus.COMMITTED \
+    incomplete = (
+        by_number[last]
+        if last is not None and by_number[last]["status"] != RunStatus.COMMITTED
         else None
+    )
     return committed, incomplete
 
 
@@ -225,6 +266,7 @@ def _rules(run: dict) -> dict:
 
 
 # --- helpers ---------------------------------------------------------------
+
 
 def _canon(col: str, name: str) -> F.Column:
     """A comparable form of a column: maps become sorted entry arrays
@@ -246,21 +288,27 @@ def _text(v) -> F.Column:
     return v if isinstance(v, F.Column) else F.lit(v).cast("string")
 
 
-def _check(when: F.Column, kind: str, table, expected, found,
-           transaction_id: str = "transaction_id") -> F.Column:
+def _check(
+    when: F.Column, kind: str, table, expected, found, transaction_id: str = "transaction_id"
+) -> F.Column:
     """One difference, as a struct, for the rows where `when` holds (null elsewhere)."""
-    return F.when(when, F.struct(
-        F.lit(kind).alias("kind"), _text(table).alias("table"),
-        F.col("half_offset").cast("bigint").alias("half_offset"),
-        F.col(transaction_id).cast("string").alias("transaction_id"),
-        _text(expected).alias("expected"), _text(found).alias("found")))
+    return F.when(
+        when,
+        F.struct(
+            F.lit(kind).alias("kind"),
+            _text(table).alias("table"),
+            F.col("half_offset").cast("bigint").alias("half_offset"),
+            F.col(transaction_id).cast("string").alias("transaction_id"),
+            _text(expected).alias("expected"),
+            _text(found).alias("found"),
+        ),
+    )
 
 
 def _differences(df: DataFrame, *checks: F.Column) -> DataFrame:
     """The differences `checks` find in the rows of `df`: several checks
     over one join, so that each table is joined with the expectation once."""
-    return (df.select(F.explode(F.array_compact(F.array(*checks))).alias("d"))
-            .select("d.*"))
+    return df.select(F.explode(F.array_compact(F.array(*checks))).alias("d")).select("d.*")
 
 
 def _diff(df: DataFrame, kind: str, table, expected, found) -> DataFrame:
@@ -270,8 +318,11 @@ def _diff(df: DataFrame, kind: str, table, expected, found) -> DataFrame:
 def _found(rows: DataFrame) -> DataFrame:
     """A table's rows, every column but half_offset prefixed `f_`, to sit beside
     the expected message after a join (`f_row` is null where there is none)."""
-    return rows.select("half_offset", F.lit(True).alias("f_row"),
-                       *[F.col(c).alias(f"f_{c}") for c in rows.columns if c != "half_offset"])
+    return rows.select(
+        "half_offset",
+        F.lit(True).alias("f_row"),
+        *[F.col(c).alias(f"f_{c}") for c in rows.columns if c != "half_offset"],
+    )
 
 
 def _content_check(when: F.Column, table, columns=CONTENT) -> F.Column:
@@ -281,24 +332,40 @@ def _content_check(when: F.Column, table, columns=CONTENT) -> F.Column:
 
     def describe(prefix):
         # concat_ws skips the nulls: the columns that are equal
-        return F.concat_ws("; ", *[F.when(differs[c], F.concat(
-            F.lit(f"{c}="), F.coalesce(_show(f"{prefix}{c}", c), F.lit("null"))))
-            for c in columns])
+        return F.concat_ws(
+            "; ",
+            *[
+                F.when(
+                    differs[c],
+                    F.concat(F.lit(f"{c}="), F.coalesce(_show(f"{prefix}{c}", c), F.lit("null"))),
+                )
+                for c in columns
+            ],
+        )
+
     any_differs = reduce(lambda a, b: a | b, differs.values())
-    return _check(when & any_differs, "content_mismatch", table,
-                  describe(""), describe("f_"))
+    return _check(when & any_differs, "content_mismatch", table, describe(""), describe("f_"))
 
 
 def _duplicates(rows: DataFrame, kind: str, table: str) -> DataFrame:
-    per_msg = rows.groupBy("half_offset").agg(F.count("*").alias("n"),
-                                              F.first("transaction_id").alias("transaction_id"))
-    return _diff(per_msg.where("n > 1"), kind, table, "1 row",
-                 F.concat(F.col("n").cast("string"), F.lit(" rows")))
+    per_msg = rows.groupBy("half_offset").agg(
+        F.count("*").alias("n"), F.first("transaction_id").alias("transaction_id")
+    )
+    return _diff(
+        per_msg.where("n > 1"),
+        kind,
+        table,
+        "1 row",
+        F.concat(F.col("n").cast("string"), F.lit(" rows")),
+    )
 
 
 def _fate_text() -> F.Column:
-    return F.concat(F.lit("no row (message "),
-                    F.coalesce(F.col("fate"), F.lit("not judged or unknown")), F.lit(")"))
+    return F.concat(
+        F.lit("no row (message "),
+        F.coalesce(F.col("fate"), F.lit("not judged or unknown")),
+        F.lit(")"),
+    )
 
 
 def _is(*fates: str) -> F.Column:
@@ -310,6 +377,7 @@ def _is(*fates: str) -> F.Column:
 # content, its winning OP (`w_*`) and, if delivered, its queue offset. Each
 # table is joined with it once, on half_offset, and every rule of that table
 # is a check over the joined rows.
+
 
 def _topic_differences(delivered_rows: DataFrame, expected: DataFrame) -> list[DataFrame]:
     """Real topics (I3): exactly one row per delivered message, nowhere else,
@@ -324,24 +392,60 @@ def _topic_differences(delivered_rows: DataFrame, expected: DataFrame) -> list[D
     return [
         _differences(
             t,
-            _check(delivered & ~row, "missing_delivery",
-                   F.concat(F.lit("topics/"), F.col("topic")), "1 row", "none"),
-            _check(row & ~delivered, "unexpected_delivery", found_in, _fate_text(),
-                   "a delivered row", transaction_id="f_transaction_id"),
-            _check(both & (F.col("f_found_topic") != F.col("topic")), "wrong_topic", found_in,
-                   F.col("topic"), F.col("f_found_topic"), transaction_id="f_transaction_id"),
+            _check(
+                delivered & ~row,
+                "missing_delivery",
+                F.concat(F.lit("topics/"), F.col("topic")),
+                "1 row",
+                "none",
+            ),
+            _check(
+                row & ~delivered,
+                "unexpected_delivery",
+                found_in,
+                _fate_text(),
+                "a delivered row",
+                transaction_id="f_transaction_id",
+            ),
+            _check(
+                both & (F.col("f_found_topic") != F.col("topic")),
+                "wrong_topic",
+                found_in,
+                F.col("topic"),
+                F.col("f_found_topic"),
+                transaction_id="f_transaction_id",
+            ),
             _content_check(both, "topics"),
-            _check(both & (F.col("f_queue_offset") != F.col("exp_queue_offset")),
-                   "queue_offset_order", found_in, F.col("exp_queue_offset").cast("string"),
-                   F.col("f_queue_offset").cast("string"), transaction_id="f_transaction_id"),
-            _check(both & (F.col("f_commit_ms") != F.col("w_store_ms")), "commit_ms_mismatch",
-                   found_in, F.col("w_store_ms").cast("string"),
-                   F.col("f_commit_ms").cast("string"), transaction_id="f_transaction_id")),
+            _check(
+                both & (F.col("f_queue_offset") != F.col("exp_queue_offset")),
+                "queue_offset_order",
+                found_in,
+                F.col("exp_queue_offset").cast("string"),
+                F.col("f_queue_offset").cast("string"),
+                transaction_id="f_transaction_id",
+            ),
+            _check(
+                both & (F.col("f_commit_ms") != F.col("w_store_ms")),
+                "commit_ms_mismatch",
+                found_in,
+                F.col("w_store_ms").cast("string"),
+                F.col("f_commit_ms").cast("string"),
+                transaction_id="f_transaction_id",
+            ),
+        ),
         _duplicates(delivered_rows, "duplicate_delivery", "topics"),
-        _diff(dense.where(F.col("queue_offset") != F.col("_rank")), "queue_offset_not_dense",
-              F.concat(F.lit("topics/"), F.col("found_topic"), F.lit(" queue "),
-                       F.col("queue_id").cast("string")),
-              F.col("_rank").cast("string"), F.col("queue_offset").cast("string")),
+        _diff(
+            dense.where(F.col("queue_offset") != F.col("_rank")),
+            "queue_offset_not_dense",
+            F.concat(
+                F.lit("topics/"),
+                F.col("found_topic"),
+                F.lit(" queue "),
+                F.col("queue_id").cast("string"),
+            ),
+            F.col("_rank").cast("string"),
+            F.col("queue_offset").cast("string"),
+        ),
     ]
 
 
@@ -353,10 +457,16 @@ def _pending_differences(pending: DataFrame, expected: DataFrame) -> list[DataFr
         _differences(
             p,
             _check(waiting & ~row, "missing_pending", PENDING.path, "a pending row", "none"),
-            _check(row & ~waiting, "unexpected_pending", PENDING.path, _fate_text(),
-                   "a pending row", transaction_id="f_transaction_id"),
-            _content_check(row & waiting, PENDING.path,
-                           CONTENT + ("store_ms", "check_immunity_s"))),
+            _check(
+                row & ~waiting,
+                "unexpected_pending",
+                PENDING.path,
+                _fate_text(),
+                "a pending row",
+                transaction_id="f_transaction_id",
+            ),
+            _content_check(row & waiting, PENDING.path, CONTENT + ("store_ms", "check_immunity_s")),
+        ),
         _duplicates(pending, "duplicate_pending", PENDING.path),
     ]
 
@@ -365,165 +475,295 @@ def _resolved_differences(resolved: DataFrame, expected: DataFrame) -> list[Data
     """The job's incremental state: one resolved row per decided message, as recomputed."""
     r = expected.join(_found(resolved), "half_offset", "full")
     row, decided = F.col("f_row").isNotNull(), _is(DELIVERED, ROLLED_BACK)
-    differs = ((F.col("f_action") != F.col("w_action"))
-               | (F.col("f_op_offset") != F.col("w_op_offset"))
-               | (F.col("f_source") != F.col("w_source"))
-               | ((F.col("f_op_version") != F.col("w_cv")) & F.col("w_dated")))
+    differs = (
+        (F.col("f_action") != F.col("w_action"))
+        | (F.col("f_op_offset") != F.col("w_op_offset"))
+        | (F.col("f_source") != F.col("w_source"))
+        | ((F.col("f_op_version") != F.col("w_cv")) & F.col("w_dated"))
+    )
     return [
         _differences(
             r,
-            _check(decided & ~row, "missing_resolved", RESOLVED.path,
-                   F.concat(F.col("w_action"), F.lit(" by op_offset "),
-                            F.col("w_op_offset").cast("string")), "none"),
-            _check(row & ~decided, "unexpected_resolved", RESOLVED.path, "no row",
-                   F.concat(F.col("f_action"), F.lit(" by op_offset "),
-                            F.col("f_op_offset").cast("string")),
-                   transaction_id="f_transaction_id"),
-            _check(row & decided & differs, "resolved_mismatch", RESOLVED.path,
-                   F.concat_ws(" ", F.col("w_action"), F.col("w_source"), F.lit("op_offset"),
-                               F.col("w_op_offset").cast("string"), F.lit("version"),
-                               F.col("w_cv").cast("string")),
-                   F.concat_ws(" ", F.col("f_action"), F.col("f_source"), F.lit("op_offset"),
-                               F.col("f_op_offset").cast("string"), F.lit("version"),
-                               F.col("f_op_version").cast("string")))),
+            _check(
+                decided & ~row,
+                "missing_resolved",
+                RESOLVED.path,
+                F.concat(
+                    F.col("w_action"), F.lit(" by op_offset "), F.col("w_op_offset").cast("string")
+                ),
+                "none",
+            ),
+            _check(
+                row & ~decided,
+                "unexpected_resolved",
+                RESOLVED.path,
+                "no row",
+                F.concat(
+                    F.col("f_action"), F.lit(" by op_offset "), F.col("f_op_offset").cast("string")
+                ),
+                transaction_id="f_transaction_id",
+            ),
+            _check(
+                row & decided & differs,
+                "resolved_mismatch",
+                RESOLVED.path,
+                F.concat_ws(
+                    " ",
+                    F.col("w_action"),
+                    F.col("w_source"),
+                    F.lit("op_offset"),
+                    F.col("w_op_offset").cast("string"),
+                    F.lit("version"),
+                    F.col("w_cv").cast("string"),
+                ),
+                F.concat_ws(
+                    " ",
+                    F.col("f_action"),
+                    F.col("f_source"),
+                    F.lit("op_offset"),
+                    F.col("f_op_offset").cast("string"),
+                    F.lit("version"),
+                    F.col("f_op_version").cast("string"),
+                ),
+            ),
+        ),
         _duplicates(resolved, "duplicate_resolved", RESOLVED.path),
     ]
 
 
-def _discard_differences(discard_dated: DataFrame, per_half_discard: DataFrame,
-                         expected: DataFrame, requests: DataFrame) -> list[DataFrame]:
+def _discard_differences(
+    discard_dated: DataFrame, per_half_discard: DataFrame, expected: DataFrame, requests: DataFrame
+) -> list[DataFrame]:
     """Discards: by committed runs, at most one per message, only of undecided
     messages, each following the rule it names at the clock of its run, and
     carrying its message unchanged."""
     unknown_run = F.col("run_number").isNull()
     n_requests = requests.groupBy("half_offset").agg(F.count("*").alias("n_requests"))
-    d = (_found(discard_dated.where(~unknown_run))
-         .join(expected.withColumn("e_row", F.lit(True)), "half_offset", "left")
-         .join(n_requests, "half_offset", "left"))
+    d = (
+        _found(discard_dated.where(~unknown_run))
+        .join(expected.withColumn("e_row", F.lit(True)), "half_offset", "left")
+        .join(n_requests, "half_offset", "left")
+    )
     judged = F.col("e_row").isNotNull()
     age = F.greatest(F.col("f_run_now_ms") - F.col("store_ms"), F.lit(0))
     requests_n = F.coalesce(F.col("n_requests"), F.lit(0))
-    bad_expired = (F.col("f_reason") == Decision.EXPIRED) & F.col("f_reserved_ms").isNotNull() \
+    bad_expired = (
+        (F.col("f_reason") == Decision.EXPIRED)
+        & F.col("f_reserved_ms").isNotNull()
         & (age <= F.col("f_reserved_ms"))
-    bad_max = (F.col("f_reason") == Decision.MAX_CHECKS) & F.col("f_check_max").isNotNull() & (
-        (F.col("f_check_times") != requests_n)
-        | ((F.col("f_check_budget") == "sent") & (F.col("f_check_times") != F.col("f_check_max")))
-        | (F.col("f_check_times") < F.col("f_check_max")))
+    )
+    bad_max = (
+        (F.col("f_reason") == Decision.MAX_CHECKS)
+        & F.col("f_check_max").isNotNull()
+        & (
+            (F.col("f_check_times") != requests_n)
+            | (
+                (F.col("f_check_budget") == "sent")
+                & (F.col("f_check_times") != F.col("f_check_max"))
+            )
+            | (F.col("f_check_times") < F.col("f_check_max"))
+        )
+    )
     bad_reason = ~F.col("f_reason").isin(Decision.EXPIRED, Decision.MAX_CHECKS)
     return [
-        _diff(discard_dated.where(unknown_run), "discard_by_unknown_run", DISCARD.path,
-              "run_id of a committed run", F.col("run_id")),
-        _diff(per_half_discard.where("n_discards > 1").withColumnRenamed("d_txn",
-                                                                        "transaction_id"),
-              "duplicate_discard", DISCARD.path, "at most 1 discard row",
-              F.concat(F.col("n_discards").cast("string"), F.lit(" rows"))),
+        _diff(
+            discard_dated.where(unknown_run),
+            "discard_by_unknown_run",
+            DISCARD.path,
+            "run_id of a committed run",
+            F.col("run_id"),
+        ),
+        _diff(
+            per_half_discard.where("n_discards > 1").withColumnRenamed("d_txn", "transaction_id"),
+            "duplicate_discard",
+            DISCARD.path,
+            "at most 1 discard row",
+            F.concat(F.col("n_discards").cast("string"), F.lit(" rows")),
+        ),
         # A discard the run could not have made: the message was already decided.
-        _diff(expected.where(F.col("w_before_discard")
-                             | (F.col("bad_half") & (F.col("n_discards") > 0))),
-              "discard_of_decided_message", DISCARD.path,
-              F.concat(F.lit("no discard; decided by op_offset "),
-                       F.coalesce(F.col("w_op_offset").cast("string"),
-                                  F.lit("(rejected half)"))),
-              F.lit("a discard row")),
+        _diff(
+            expected.where(
+                F.col("w_before_discard") | (F.col("bad_half") & (F.col("n_discards") > 0))
+            ),
+            "discard_of_decided_message",
+            DISCARD.path,
+            F.concat(
+                F.lit("no discard; decided by op_offset "),
+                F.coalesce(F.col("w_op_offset").cast("string"), F.lit("(rejected half)")),
+            ),
+            F.lit("a discard row"),
+        ),
         _differences(
             d,
-            _check(~judged, "discard_without_half", DISCARD.path, "a judged half row", "none",
-                   transaction_id="f_transaction_id"),
-            _check(judged & (bad_expired | bad_max | bad_reason), "discard_rule_violated",
-                   DISCARD.path,
-                   F.concat(F.lit("EXPIRED: age > "), F.col("f_reserved_ms").cast("string"),
-                            F.lit(" ms; MAX_CHECKS: check_times = requests >= check_max = "),
-                            F.col("f_check_max").cast("string")),
-                   F.concat(F.col("f_reason"), F.lit(" age="), age.cast("string"),
-                            F.lit(" check_times="), F.col("f_check_times").cast("string"),
-                            F.lit(" requests="), requests_n.cast("string")),
-                   transaction_id="f_transaction_id"),
-            _content_check(judged, DISCARD.path, CONTENT + ("store_ms", "check_immunity_s"))),
+            _check(
+                ~judged,
+                "discard_without_half",
+                DISCARD.path,
+                "a judged half row",
+                "none",
+                transaction_id="f_transaction_id",
+            ),
+            _check(
+                judged & (bad_expired | bad_max | bad_reason),
+                "discard_rule_violated",
+                DISCARD.path,
+                F.concat(
+                    F.lit("EXPIRED: age > "),
+                    F.col("f_reserved_ms").cast("string"),
+                    F.lit(" ms; MAX_CHECKS: check_times = requests >= check_max = "),
+                    F.col("f_check_max").cast("string"),
+                ),
+                F.concat(
+                    F.col("f_reason"),
+                    F.lit(" age="),
+                    age.cast("string"),
+                    F.lit(" check_times="),
+                    F.col("f_check_times").cast("string"),
+                    F.lit(" requests="),
+                    requests_n.cast("string"),
+                ),
+                transaction_id="f_transaction_id",
+            ),
+            _content_check(judged, DISCARD.path, CONTENT + ("store_ms", "check_immunity_s")),
+        ),
     ]
 
 
 def _queue_differences(expected: DataFrame, queues: DataFrame) -> DataFrame:
     """Next queue offsets carried by the job continue exactly after the last row."""
-    rows_per_queue = expected.where(_is(DELIVERED)).groupBy("topic", "queue_id").agg(
-        F.count("*").alias("n_expected"))
-    qj = rows_per_queue.join(queues.select("topic", "queue_id", "next_queue_offset"),
-                             ["topic", "queue_id"], "full_outer")
+    rows_per_queue = (
+        expected.where(_is(DELIVERED))
+        .groupBy("topic", "queue_id")
+        .agg(F.count("*").alias("n_expected"))
+    )
+    qj = rows_per_queue.join(
+        queues.select("topic", "queue_id", "next_queue_offset"), ["topic", "queue_id"], "full_outer"
+    )
     n_expected = F.coalesce(F.col("n_expected"), F.lit(0))
-    return _diff(qj.where(~n_expected.eqNullSafe(F.coalesce(F.col("next_queue_offset"),
-                                                             F.lit(0))))
-                 .withColumn("half_offset", F.lit(None))
-                 .withColumn("transaction_id", F.lit(None)),
-                 "queue_state_mismatch",
-                 F.concat(F.lit(QUEUES.path + " "), F.col("topic"), F.lit(" queue "),
-                          F.col("queue_id").cast("string")),
-                 n_expected.cast("string"), F.col("next_queue_offset").cast("string"))
+    return _diff(
+        qj.where(~n_expected.eqNullSafe(F.coalesce(F.col("next_queue_offset"), F.lit(0))))
+        .withColumn("half_offset", F.lit(None))
+        .withColumn("transaction_id", F.lit(None)),
+        "queue_state_mismatch",
+        F.concat(
+            F.lit(QUEUES.path + " "),
+            F.col("topic"),
+            F.lit(" queue "),
+            F.col("queue_id").cast("string"),
+        ),
+        n_expected.cast("string"),
+        F.col("next_queue_offset").cast("string"),
+    )
 
 
-def _rejected_differences(expected: DataFrame, ops: DataFrame,
-                          rejected: DataFrame) -> list[DataFrame]:
+def _rejected_differences(
+    expected: DataFrame, ops: DataFrame, rejected: DataFrame
+) -> list[DataFrame]:
     """Rejected halves are recorded as such, and so is every OP never applied
     (invalid, or late after a discard: I6), and no other."""
-    rej_halves = rejected.where(F.col("source_table") == HALF.path).select(
-        F.col("row_offset").alias("half_offset")).distinct()
-    rej_ops = (rejected.where(F.col("source_table") == OP.path)
-               .select(F.col("row_offset").alias("op_offset"), F.lit(True).alias("recorded"))
-               .distinct())
+    rej_halves = (
+        rejected.where(F.col("source_table") == HALF.path)
+        .select(F.col("row_offset").alias("half_offset"))
+        .distinct()
+    )
+    rej_ops = (
+        rejected.where(F.col("source_table") == OP.path)
+        .select(F.col("row_offset").alias("op_offset"), F.lit(True).alias("recorded"))
+        .distinct()
+    )
     o = ops.join(rej_ops, "op_offset", "left")
     recorded, applied = F.col("recorded").isNotNull(), F.col("valid") & ~F.col("late")
     return [
-        _diff(expected.where(_is(REJECTED_FATE)).join(rej_halves, "half_offset", "left_anti"),
-              "missing_rejected", REJECTED.path, "a rejected row", "none"),
+        _diff(
+            expected.where(_is(REJECTED_FATE)).join(rej_halves, "half_offset", "left_anti"),
+            "missing_rejected",
+            REJECTED.path,
+            "a rejected row",
+            "none",
+        ),
         _differences(
             o,
-            _check(~applied & ~recorded, "unrecorded_rejected_op", REJECTED.path,
-                   F.concat(F.lit("a rejected row for op_offset "),
-                            F.col("op_offset").cast("string")), F.lit("none")),
-            _check(applied & recorded, "valid_op_rejected", REJECTED.path,
-                   F.concat(F.lit("op_offset "), F.col("op_offset").cast("string"),
-                            F.lit(" valid")), F.lit("recorded as rejected"))),
+            _check(
+                ~applied & ~recorded,
+                "unrecorded_rejected_op",
+                REJECTED.path,
+                F.concat(F.lit("a rejected row for op_offset "), F.col("op_offset").cast("string")),
+                F.lit("none"),
+            ),
+            _check(
+                applied & recorded,
+                "valid_op_rejected",
+                REJECTED.path,
+                F.concat(F.lit("op_offset "), F.col("op_offset").cast("string"), F.lit(" valid")),
+                F.lit("recorded as rejected"),
+            ),
+        ),
     ]
 
 
 def _raw_duplicates(half: DataFrame, op: DataFrame) -> list[DataFrame]:
     """I1: offsets unique in the raw tables."""
-    dup_op = (op.groupBy("op_offset")
-              .agg(F.count("*").alias("n"), F.first("transaction_id").alias("transaction_id"),
-                   F.first("half_offset").alias("half_offset"))
-              .where("n > 1"))
+    dup_op = (
+        op.groupBy("op_offset")
+        .agg(
+            F.count("*").alias("n"),
+            F.first("transaction_id").alias("transaction_id"),
+            F.first("half_offset").alias("half_offset"),
+        )
+        .where("n > 1")
+    )
     return [
         _duplicates(half, "duplicate_half_offset", HALF.path),
-        _diff(dup_op, "duplicate_op_offset", OP.path, "1 row per op_offset",
-              F.concat(F.col("n").cast("string"), F.lit(" rows with op_offset "),
-                       F.col("op_offset").cast("string"))),
+        _diff(
+            dup_op,
+            "duplicate_op_offset",
+            OP.path,
+            "1 row per op_offset",
+            F.concat(
+                F.col("n").cast("string"),
+                F.lit(" rows with op_offset "),
+                F.col("op_offset").cast("string"),
+            ),
+        ),
     ]
 
 
-def _expected(judged: DataFrame, winners: DataFrame, per_half_discard: DataFrame,
-              delivered_rows: DataFrame) -> DataFrame:
+def _expected(
+    judged: DataFrame, winners: DataFrame, per_half_discard: DataFrame, delivered_rows: DataFrame
+) -> DataFrame:
     """Every judged half once, with its fate and, if delivered, the queue
     offset it should have: per (topic, queue_id), dense, in the winners'
     commit order (among winners older than the log, the job's queue order).
     Partitioned by half_offset, so that joining each table with it moves only
     that table's rows."""
-    fate = (judged.join(winners, "half_offset", "left")
-            .join(per_half_discard.select("half_offset", "n_discards"), "half_offset", "left")
-            .withColumn("fate", F.when(F.col("bad_half"), F.lit(REJECTED_FATE))
-                        .when(F.col("w_action") == Action.COMMIT, F.lit(DELIVERED))
-                        .when(F.col("w_action") == Action.ROLLBACK, F.lit(ROLLED_BACK))
-                        .when(F.col("n_discards") > 0, F.lit(DISCARDED))
-                        .otherwise(F.lit(PENDING_FATE))))
+    fate = (
+        judged.join(winners, "half_offset", "left")
+        .join(per_half_discard.select("half_offset", "n_discards"), "half_offset", "left")
+        .withColumn(
+            "fate",
+            F.when(F.col("bad_half"), F.lit(REJECTED_FATE))
+            .when(F.col("w_action") == Action.COMMIT, F.lit(DELIVERED))
+            .when(F.col("w_action") == Action.ROLLBACK, F.lit(ROLLED_BACK))
+            .when(F.col("n_discards") > 0, F.lit(DISCARDED))
+            .otherwise(F.lit(PENDING_FATE)),
+        )
+    )
     found_at = delivered_rows.groupBy("half_offset").agg(F.min("queue_offset").alias("found_at"))
     delivered = F.col("fate") == DELIVERED
-    qorder = (Window.partitionBy("topic", "queue_id", delivered)
-              .orderBy("w_cv", "undated_at", "w_op_offset"))
-    return (fate.join(found_at, "half_offset", "left")
-            .withColumn("undated_at", F.when(~F.col("w_dated"), F.col("found_at")))
-            .withColumn("exp_queue_offset", F.when(delivered, F.row_number().over(qorder) - 1))
-            .drop("found_at", "undated_at")
-            .repartition("half_offset"))
+    qorder = Window.partitionBy("topic", "queue_id", delivered).orderBy(
+        "w_cv", "undated_at", "w_op_offset"
+    )
+    return (
+        fate.join(found_at, "half_offset", "left")
+        .withColumn("undated_at", F.when(~F.col("w_dated"), F.col("found_at")))
+        .withColumn("exp_queue_offset", F.when(delivered, F.row_number().over(qorder) - 1))
+        .drop("found_at", "undated_at")
+        .repartition("half_offset")
+    )
 
 
 # --- the audit ----------------------------------------------------------------
+
 
 @dataclass
 class _Scope:
@@ -569,39 +809,66 @@ def verify(spark: SparkSession, config) -> VerifyReport:
     judged = halves.where(F.col("half_cv") <= F.lit(scope.half_upto))
     expected = _expected(judged, winners, per_half_discard, delivered_rows).cache()
 
-    all_diffs = _union([
-        *_raw_duplicates(half, op),
-        *_discard_differences(discard_dated, per_half_discard, expected,
-                              tables[CHECK_REQUESTS.path]),
-        *_topic_differences(delivered_rows, expected),
-        *_pending_differences(tables[PENDING.path], expected),
-        *_resolved_differences(tables[RESOLVED.path], expected),
-        _queue_differences(expected, tables[QUEUES.path]),
-        *_rejected_differences(expected, ops, tables[REJECTED.path])]).cache()
-    by_kind = {r["kind"]: r["n"] for r in
-               all_diffs.groupBy("kind").agg(F.count("*").alias("n")).collect()}
-    listed = [r.asDict() for r in
-              all_diffs.orderBy(F.col("half_offset").asc_nulls_last(), "kind")
-              .limit(MAX_LISTED).collect()]
-    counts = _counts(expected, ops, scope,
-                     not_yet=_newer_rows(spark, table_path(wh, HALF), half.count()),
-                     topic_tables=len(topic_names))
+    all_diffs = _union(
+        [
+            *_raw_duplicates(half, op),
+            *_discard_differences(
+                discard_dated, per_half_discard, expected, tables[CHECK_REQUESTS.path]
+            ),
+            *_topic_differences(delivered_rows, expected),
+            *_pending_differences(tables[PENDING.path], expected),
+            *_resolved_differences(tables[RESOLVED.path], expected),
+            _queue_differences(expected, tables[QUEUES.path]),
+            *_rejected_differences(expected, ops, tables[REJECTED.path]),
+        ]
+    ).cache()
+    by_kind = {
+        r["kind"]: r["n"] for r in all_diffs.groupBy("kind").agg(F.count("*").alias("n")).collect()
+    }
+    listed = [
+        r.asDict()
+        for r in all_diffs.orderBy(F.col("half_offset").asc_nulls_last(), "kind")
+        .limit(MAX_LISTED)
+        .collect()
+    ]
+    counts = _counts(
+        expected,
+        ops,
+        scope,
+        not_yet=_newer_rows(spark, table_path(wh, HALF), half.count()),
+        topic_tables=len(topic_names),
+    )
     for df in (half, op, ops, expected, delivered_rows, all_diffs):
         df.unpersist()
     last = scope.last
-    judged_run = None if last is None else {
-        "run_id": last["run_id"], "run_number": last["run_number"],
-        "half_version": scope.half_upto, "op_version": scope.op_upto}
-    return VerifyReport(ok=not by_kind, differences=listed, counts=counts,
-                        differences_by_kind=by_kind, notes=scope.notes, judged_run=judged_run)
+    judged_run = (
+        None
+        if last is None
+        else {
+            "run_id": last["run_id"],
+            "run_number": last["run_number"],
+            "half_version": scope.half_upto,
+            "op_version": scope.op_upto,
+        }
+    )
+    return VerifyReport(
+        ok=not by_kind,
+        differences=listed,
+        counts=counts,
+        differences_by_kind=by_kind,
+        notes=scope.notes,
+        judged_run=judged_run,
+    )
 
 
 def _scope(spark: SparkSession, wh: str) -> _Scope:
     committed, incomplete = _committed_runs(spark, wh)
     notes: list[str] = []
     if incomplete is not None:
-        notes.append(f"run {incomplete['run_number']} ({incomplete['run_id']}) has not "
-                     f"committed: its outputs are not judged, the next run completes it")
+        notes.append(
+            f"run {incomplete['run_number']} ({incomplete['run_id']}) has not "
+            f"committed: its outputs are not judged, the next run completes it"
+        )
     return _Scope(committed, incomplete, notes)
 
 
@@ -611,14 +878,27 @@ def _runs_frame(spark: SparkSession, committed: list[dict]) -> DataFrame:
     rows, prev_op = [], -1
     for r in committed:
         rules = _rules(r)
-        rows.append((r["run_id"], int(r["run_number"]), prev_op, int(r["op_version"]),
-                     int(r["half_version"]), int(r["now_ms"]), rules.get("reserved_ms"),
-                     rules.get("check_max"), rules.get("check_budget")))
+        rows.append(
+            (
+                r["run_id"],
+                int(r["run_number"]),
+                prev_op,
+                int(r["op_version"]),
+                int(r["half_version"]),
+                int(r["now_ms"]),
+                rules.get("reserved_ms"),
+                rules.get("check_max"),
+                rules.get("check_budget"),
+            )
+        )
         prev_op = int(r["op_version"])
-    return spark.createDataFrame(rows, "run_id string, run_number bigint, op_lo bigint, "
-                                       "op_hi bigint, run_half_version bigint, "
-                                       "run_now_ms bigint, reserved_ms bigint, "
-                                       "check_max bigint, check_budget string")
+    return spark.createDataFrame(
+        rows,
+        "run_id string, run_number bigint, op_lo bigint, "
+        "op_hi bigint, run_half_version bigint, "
+        "run_now_ms bigint, reserved_ms bigint, "
+        "check_max bigint, check_budget string",
+    )
 
 
 def _state_tables(spark: SparkSession, wh: str, scope: _Scope) -> dict[str, DataFrame]:
@@ -633,12 +913,14 @@ def _state_tables(spark: SparkSession, wh: str, scope: _Scope) -> dict[str, Data
             df = df.where(F.col("run_id") != F.lit(scope.ignored_run))
         return df
 
-    return {t.path: pinned(t) for t in (DISCARD, PENDING, RESOLVED, QUEUES, REJECTED,
-                                        CHECK_REQUESTS)}
+    return {
+        t.path: pinned(t) for t in (DISCARD, PENDING, RESOLVED, QUEUES, REJECTED, CHECK_REQUESTS)
+    }
 
 
-def _delivered_rows(spark: SparkSession, wh: str,
-                    ignored_run: str | None) -> tuple[list[str], DataFrame]:
+def _delivered_rows(
+    spark: SparkSession, wh: str, ignored_run: str | None
+) -> tuple[list[str], DataFrame]:
     """The topics found, and every row of their tables with its `found_topic`."""
     topic_names = _topics(spark, wh)
     delivered = None
@@ -652,72 +934,124 @@ def _delivered_rows(spark: SparkSession, wh: str,
         delivered = df if delivered is None else delivered.unionByName(df)
     if delivered is None:
         delivered = local_frame(spark, [], spark_schema(TOPIC)).withColumn(
-            "found_topic", F.lit(None).cast("string"))
+            "found_topic", F.lit(None).cast("string")
+        )
     return topic_names, delivered.cache()
 
 
 def _halves(half: DataFrame) -> DataFrame:
     """One row per half, `bad_half` when the broker core would not have written it."""
-    return (half.dropDuplicates(["half_offset"])
-            .withColumn("bad_half", ~F.col("topic").rlike(TOPIC_PATTERN)
-                        | F.col("topic").rlike(SYSTEM_TOPIC_REGEX) | (F.col("queue_id") < 0))
-            .withColumnRenamed("cv", "half_cv"))
+    return (
+        half.dropDuplicates(["half_offset"])
+        .withColumn(
+            "bad_half",
+            ~F.col("topic").rlike(TOPIC_PATTERN)
+            | F.col("topic").rlike(SYSTEM_TOPIC_REGEX)
+            | (F.col("queue_id") < 0),
+        )
+        .withColumnRenamed("cv", "half_cv")
+    )
 
 
 def _dated_discards(discard_all: DataFrame, runs: DataFrame) -> tuple[DataFrame, DataFrame]:
     """Discard rows with the run that wrote them (only committed runs date a
     discard), and per half: how many, and the OP version of the first."""
     dated = discard_all.join(
-        F.broadcast(runs.select("run_id", "run_number", F.col("op_hi").alias("d_op_version"),
-                                "run_now_ms", "reserved_ms", "check_max", "check_budget")),
-        "run_id", "left")
-    per_half = (dated.where(F.col("run_number").isNotNull())
-                .groupBy("half_offset")
-                .agg(F.count("*").alias("n_discards"),
-                     F.min("d_op_version").alias("d_op_version"),
-                     F.first("transaction_id").alias("d_txn")))
+        F.broadcast(
+            runs.select(
+                "run_id",
+                "run_number",
+                F.col("op_hi").alias("d_op_version"),
+                "run_now_ms",
+                "reserved_ms",
+                "check_max",
+                "check_budget",
+            )
+        ),
+        "run_id",
+        "left",
+    )
+    per_half = (
+        dated.where(F.col("run_number").isNotNull())
+        .groupBy("half_offset")
+        .agg(
+            F.count("*").alias("n_discards"),
+            F.min("d_op_version").alias("d_op_version"),
+            F.first("transaction_id").alias("d_txn"),
+        )
+    )
     return dated, per_half
 
 
-def _judged_ops(op: DataFrame, runs: DataFrame, halves: DataFrame,
-                per_half_discard: DataFrame) -> DataFrame:
+def _judged_ops(
+    op: DataFrame, runs: DataFrame, halves: DataFrame, per_half_discard: DataFrame
+) -> DataFrame:
     """Each OP dated by the run that read it and validated against its half:
     `valid`, `late` (after its message's discard, and not ADMIN), `eligible`."""
-    o = op.join(F.broadcast(runs.select("run_number", "op_lo", "op_hi", "run_half_version")),
-                (op["cv"] > F.col("op_lo")) & (op["cv"] <= F.col("op_hi")), "left")
-    h = halves.select("half_offset", F.col("transaction_id").alias("h_txn"),
-                      F.col("producer_group").alias("h_group"), "half_cv", "bad_half")
-    o = (o.join(h, "half_offset", "left")
-         .join(per_half_discard.select("half_offset", "d_op_version"), "half_offset", "left"))
-    valid = (F.col("h_txn").isNotNull() & (F.col("half_cv") <= F.col("run_half_version"))
-             & ~F.col("bad_half") & (F.col("transaction_id") == F.col("h_txn"))
-             & (F.col("producer_group") == F.col("h_group"))
-             & F.col("action").isin(*Action) & F.col("source").isin(*Source))
-    late = F.col("d_op_version").isNotNull() & (F.col("cv") > F.col("d_op_version")) \
+    o = op.join(
+        F.broadcast(runs.select("run_number", "op_lo", "op_hi", "run_half_version")),
+        (op["cv"] > F.col("op_lo")) & (op["cv"] <= F.col("op_hi")),
+        "left",
+    )
+    h = halves.select(
+        "half_offset",
+        F.col("transaction_id").alias("h_txn"),
+        F.col("producer_group").alias("h_group"),
+        "half_cv",
+        "bad_half",
+    )
+    o = o.join(h, "half_offset", "left").join(
+        per_half_discard.select("half_offset", "d_op_version"), "half_offset", "left"
+    )
+    valid = (
+        F.col("h_txn").isNotNull()
+        & (F.col("half_cv") <= F.col("run_half_version"))
+        & ~F.col("bad_half")
+        & (F.col("transaction_id") == F.col("h_txn"))
+        & (F.col("producer_group") == F.col("h_group"))
+        & F.col("action").isin(*Action)
+        & F.col("source").isin(*Source)
+    )
+    late = (
+        F.col("d_op_version").isNotNull()
+        & (F.col("cv") > F.col("d_op_version"))
         & (F.col("source") != Source.ADMIN)
-    return (o.withColumn("valid", F.coalesce(valid, F.lit(False)))
-            .withColumn("late", F.col("valid") & F.coalesce(late, F.lit(False)))
-            .withColumn("eligible", F.col("valid") & ~F.col("late")))
+    )
+    return (
+        o.withColumn("valid", F.coalesce(valid, F.lit(False)))
+        .withColumn("late", F.col("valid") & F.coalesce(late, F.lit(False)))
+        .withColumn("eligible", F.col("valid") & ~F.col("late"))
+    )
 
 
 def _winners(ops: DataFrame, resolved: DataFrame) -> DataFrame:
     """The first eligible OP of each half in commit order; among OPs older
     than the log (undated), the job's recorded winner goes first."""
-    job_pick = (resolved.dropDuplicates(["half_offset", "op_offset"])
-                .select("half_offset", "op_offset", F.lit(0).alias("job_pick")))
-    o = (ops.join(job_pick, ["half_offset", "op_offset"], "left")
-         .withColumn("job_pick", F.when(F.col("dated"), 1)
-                     .otherwise(F.coalesce(F.col("job_pick"), F.lit(1)))))
+    job_pick = resolved.dropDuplicates(["half_offset", "op_offset"]).select(
+        "half_offset", "op_offset", F.lit(0).alias("job_pick")
+    )
+    o = ops.join(job_pick, ["half_offset", "op_offset"], "left").withColumn(
+        "job_pick", F.when(F.col("dated"), 1).otherwise(F.coalesce(F.col("job_pick"), F.lit(1)))
+    )
     first = Window.partitionBy("half_offset").orderBy("cv", "job_pick", "op_offset")
-    return (o.where("eligible").withColumn("_n", F.row_number().over(first))
-            .where("_n = 1")
-            .select("half_offset", F.col("op_offset").alias("w_op_offset"),
-                    F.col("action").alias("w_action"), F.col("source").alias("w_source"),
-                    F.col("cv").alias("w_cv"), F.col("dated").alias("w_dated"),
-                    F.col("store_ms").alias("w_store_ms"),
-                    F.col("d_op_version").isNotNull().alias("w_after_discard"),
-                    (F.col("d_op_version").isNotNull()
-                     & (F.col("cv") <= F.col("d_op_version"))).alias("w_before_discard")))
+    return (
+        o.where("eligible")
+        .withColumn("_n", F.row_number().over(first))
+        .where("_n = 1")
+        .select(
+            "half_offset",
+            F.col("op_offset").alias("w_op_offset"),
+            F.col("action").alias("w_action"),
+            F.col("source").alias("w_source"),
+            F.col("cv").alias("w_cv"),
+            F.col("dated").alias("w_dated"),
+            F.col("store_ms").alias("w_store_ms"),
+            F.col("d_op_version").isNotNull().alias("w_after_discard"),
+            (F.col("d_op_version").isNotNull() & (F.col("cv") <= F.col("d_op_version"))).alias(
+                "w_before_discard"
+            ),
+        )
+    )
 
 
 def _union(frames: list[DataFrame]) -> DataFrame:
@@ -727,14 +1061,21 @@ def _union(frames: list[DataFrame]) -> DataFrame:
     return union
 
 
-def _counts(expected: DataFrame, ops: DataFrame, scope: _Scope, *, not_yet: int,
-            topic_tables: int) -> dict[str, int]:
-    fates = {r["fate"]: r["n"]
-             for r in expected.groupBy("fate").agg(F.count("*").alias("n")).collect()}
-    op_stats = ops.agg(
-        F.count("*").alias("ops_judged"),
-        F.sum(F.when(~F.col("valid"), 1).otherwise(0)).alias("invalid_ops"),
-        F.sum(F.when(F.col("late"), 1).otherwise(0)).alias("late_ops")).first().asDict()
+def _counts(
+    expected: DataFrame, ops: DataFrame, scope: _Scope, *, not_yet: int, topic_tables: int
+) -> dict[str, int]:
+    fates = {
+        r["fate"]: r["n"] for r in expected.groupBy("fate").agg(F.count("*").alias("n")).collect()
+    }
+    op_stats = (
+        ops.agg(
+            F.count("*").alias("ops_judged"),
+            F.sum(F.when(~F.col("valid"), 1).otherwise(0)).alias("invalid_ops"),
+            F.sum(F.when(F.col("late"), 1).otherwise(0)).alias("late_ops"),
+        )
+        .first()
+        .asDict()
+    )
     return {
         "halves_judged": sum(fates.values()),
         "halves_not_yet_processed": not_yet,

@@ -1,6 +1,7 @@
 """A run's table writes: each one tagged commit, started as soon as its rows
 are known, several at a time, skipped on a redo that finds it.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -46,44 +47,53 @@ class RunWrites:
         self._pool.shutdown(wait=True)
 
     def _raise_first_error(self, finished_only: bool = False) -> None:
-        errors = [f.exception() for f in self._started
-                  if (f.done() or not finished_only) and f.exception() is not None]
+        errors = [
+            f.exception()
+            for f in self._started
+            if (f.done() or not finished_only) and f.exception() is not None
+        ]
         if errors:  # a crash point or a lost lease first: they say why the run stopped
-            raise next((e for e in errors if isinstance(e, (InjectedFault, LeaseLost))),
-                       errors[0])
+            raise next((e for e in errors if isinstance(e, (InjectedFault, LeaseLost))), errors[0])
 
 
 def start_deliveries(wh: str, delivered, topics, writes: RunWrites) -> None:
     """Start writing `delivered` (TOPIC rows with their `topic`) to the
     tables of `topics`: in one Spark job when `jobs.commits` can write them
     all (`_put_deliveries`), else one write per topic."""
-    paths = {topic: job_tables.ensure_topic_table(wh, topic)  # creating one is a commit too
-             for topic in topics}
+    paths = {
+        topic: job_tables.ensure_topic_table(wh, topic)  # creating one is a commit too
+        for topic in topics
+    }
     tables = tagged_writes.split_tables(delivered, "topic", paths)
     if tables is not None:
         writes.submit(_put_deliveries, delivered, tables)
         return
     for topic, path in paths.items():
-        writes.start(delivered.where(F.col("topic") == topic).drop("topic"), path,
-                     f"topics/{topic}", "append")
+        writes.start(
+            delivered.where(F.col("topic") == topic).drop("topic"),
+            path,
+            f"topics/{topic}",
+            "append",
+        )
 
 
-def _put(df, path: str, app: str, mode: str, run_number: int, lease: Lease,
-         redo: bool) -> None:
+def _put(df, path: str, app: str, mode: str, run_number: int, lease: Lease, redo: bool) -> None:
     lease.keep_alive()  # never write once another run may have taken over
     tagged_writes.write_for_run(df, path, run_number, app, mode=mode, redo=redo)
     fault_point(f"after:{app}")
 
 
-def _put_deliveries(delivered, tables: dict, run_number: int, lease: Lease,
-                    redo: bool) -> None:
+def _put_deliveries(delivered, tables: dict, run_number: int, lease: Lease, redo: bool) -> None:
     """Each topic's rows of `delivered` appended to its table (`tables`,
     `tagged_writes.split_tables`): all of them written by one Spark job, then one
     tagged commit per topic. A redo writes only the topics its crashed
     attempt did not commit."""
     apps = {topic: f"topics/{topic}" for topic in tables}
-    todo = {topic: table for topic, table in tables.items()
-            if not (redo and tagged_writes.committed_by_run(table.table_uri, run_number, apps[topic]))}
+    todo = {
+        topic: table
+        for topic, table in tables.items()
+        if not (redo and tagged_writes.committed_by_run(table.table_uri, run_number, apps[topic]))
+    }
     if not todo:
         return
     lease.keep_alive()  # never write once another run may have taken over

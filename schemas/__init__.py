@@ -4,12 +4,47 @@ The broker core derives pyarrow schemas from these (`schemas.arrow`), the job
 derives Spark StructTypes (`schemas.spark`); `tests/test_schemas.py` proves the
 two agree. Column names of the public tables are fixed by SPEC §2.
 """
-from schemas.tables import (  # noqa: F401
-    ALL_TABLES, CHECK_ANSWERS, CHECK_REQUESTS, DISCARD, DISTINCT_COLUMNS, HALF, LEASE, OP,
-    PENDING, PRODUCERS, QUEUES, REJECTED, RESOLVED, RUNS, TOPIC, Column, TableSchema,
-    table_path, topic_path,
+
+from schemas.tables import (
+    ALL_TABLES,
+    CHECK_ANSWERS,
+    CHECK_REQUESTS,
+    DISCARD,
+    DISTINCT_COLUMNS,
+    HALF,
+    LEASE,
+    OP,
+    PENDING,
+    PRODUCERS,
+    QUEUES,
+    REJECTED,
+    RESOLVED,
+    RUNS,
+    TOPIC,
+    Column,
+    TableSchema,
+    table_path,
+    topic_path,
 )
 
-__all__ = ["ALL_TABLES", "CHECK_ANSWERS", "CHECK_REQUESTS", "DISCARD", "DISTINCT_COLUMNS", "HALF",
-           "LEASE", "OP", "PENDING", "PRODUCERS", "QUEUES", "REJECTED", "RESOLVED", "RUNS",
-           "TOPIC", "Column", "TableSchema", "table_path", "topic_path"]
+__all__ = [
+    "ALL_TABLES",
+    "CHECK_ANSWERS",
+    "CHECK_REQUESTS",
+    "DISCARD",
+    "DISTINCT_COLUMNS",
+    "HALF",
+    "LEASE",
+    "OP",
+    "PENDING",
+    "PRODUCERS",
+    "QUEUES",
+    "REJECTED",
+    "RESOLVED",
+    "RUNS",
+    "TOPIC",
+    "Column",
+    "TableSchema",
+    "table_path",
+    "topic_path",
+]

@@ -1,4 +1,5 @@
 """pyarrow schemas derived from `schemas.tables` (the broker core's side)."""
+
 from __future__ import annotations
 
 import pyarrow as pa
@@ -24,5 +25,6 @@ def arrow_type(type_name: str) -> pa.DataType:
 
 
 def arrow_schema(table: TableSchema) -> pa.Schema:
-    return pa.schema([pa.field(c.name, arrow_type(c.type), nullable=c.nullable)
-                      for c in table.columns])
+    return pa.schema(
+        [pa.field(c.name, arrow_type(c.type), nullable=c.nullable) for c in table.columns]
+    )

@@ -1,8 +1,18 @@
 """Spark StructTypes derived from `schemas.tables` (the job's side)."""
+
 from __future__ import annotations
 
-from pyspark.sql.types import (BinaryType, BooleanType, DataType, IntegerType, LongType,
-                               MapType, StringType, StructField, StructType)
+from pyspark.sql.types import (
+    BinaryType,
+    BooleanType,
+    DataType,
+    IntegerType,
+    LongType,
+    MapType,
+    StringType,
+    StructField,
+    StructType,
+)
 
 from schemas.tables import TableSchema
 
@@ -25,5 +35,6 @@ def spark_type(type_name: str) -> DataType:
 
 
 def spark_schema(table: TableSchema) -> StructType:
-    return StructType([StructField(c.name, spark_type(c.type), nullable=c.nullable)
-                       for c in table.columns])
+    return StructType(
+        [StructField(c.name, spark_type(c.type), nullable=c.nullable) for c in table.columns]
+    )

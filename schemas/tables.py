@@ -5,6 +5,7 @@ Types are Spark SQL type names (the narrowest common vocabulary of both engines)
 `map<string,bigint>`. `nullable=False` becomes a Delta NOT NULL column, so
 both writers refuse rows missing a key field.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,8 +41,18 @@ class TableSchema:
 #: columns whose values are (nearly) all distinct wherever they appear: ids,
 #: offsets, message keys and bodies. A parquet dictionary of them never pays
 #: off, so the job's writer builds none (`jobs.commits`).
-DISTINCT_COLUMNS = frozenset({"half_offset", "op_offset", "queue_offset", "transaction_id",
-                              "msg_id", "request_id", "keys", "body"})
+DISTINCT_COLUMNS = frozenset(
+    {
+        "half_offset",
+        "op_offset",
+        "queue_offset",
+        "transaction_id",
+        "msg_id",
+        "request_id",
+        "keys",
+        "body",
+    }
+)
 
 
 def _cols(*specs: tuple[str, str] | tuple[str, str, bool]) -> tuple[Column, ...]:
@@ -64,8 +75,12 @@ _MESSAGE = (
 
 HALF = TableSchema(
     "_sys/half",
-    _cols(("half_offset", "bigint", False), *_MESSAGE,
-          ("store_ms", "bigint", False), ("check_immunity_s", "int")),
+    _cols(
+        ("half_offset", "bigint", False),
+        *_MESSAGE,
+        ("store_ms", "bigint", False),
+        ("check_immunity_s", "int"),
+    ),
     writer="broker",
 )
 
@@ -113,7 +128,8 @@ CHECK_ANSWERS = TableSchema(
 
 DISCARD = TableSchema(
     "_sys/discard",
-    HALF.columns + _cols(
+    HALF.columns
+    + _cols(
         ("check_times", "int", False),
         ("reason", "string", False),  # MAX_CHECKS | EXPIRED
         ("discarded_ms", "bigint", False),
@@ -158,11 +174,25 @@ PRODUCERS = TableSchema(
 
 # Counters of one run (SPEC §5.3), kept as columns of `_sys/runs` so they can be
 # queried with SQL; `summary_json` holds the same summary verbatim.
-RUN_COUNTERS = ("half_read", "op_read", "pending_before", "pending_after", "committed",
-                "rolled_back", "check_requests", "discarded_max_checks",
-                "discarded_expired", "duplicate_ops", "conflicting_ops", "invalid_ops",
-                "late_ops", "rejected_halves", "oldest_pending_age_ms", "duration_ms",
-                "next_due_ms")
+RUN_COUNTERS = (
+    "half_read",
+    "op_read",
+    "pending_before",
+    "pending_after",
+    "committed",
+    "rolled_back",
+    "check_requests",
+    "discarded_max_checks",
+    "discarded_expired",
+    "duplicate_ops",
+    "conflicting_ops",
+    "invalid_ops",
+    "late_ops",
+    "rejected_halves",
+    "oldest_pending_age_ms",
+    "duration_ms",
+    "next_due_ms",
+)
 
 # Two rows per run: STARTED (the intent: everything needed to redo the run
 # identically) and COMMITTED (the same plus the summary). A run is complete
@@ -194,7 +224,8 @@ RUNS = TableSchema(
 
 PENDING = TableSchema(
     "_sys/pending",
-    HALF.columns + _cols(
+    HALF.columns
+    + _cols(
         ("checks_sent", "int", False),
         ("checks_undecided", "int", False),  # answers UNKNOWN / ERROR
         ("last_check_ms", "bigint"),
@@ -255,8 +286,21 @@ LEASE = TableSchema(
     writer="broker",
 )
 
-ALL_TABLES = (HALF, OP, CHECK_REQUESTS, CHECK_ANSWERS, DISCARD, TOPIC, PRODUCERS,
-              RUNS, PENDING, RESOLVED, QUEUES, REJECTED, LEASE)
+ALL_TABLES = (
+    HALF,
+    OP,
+    CHECK_REQUESTS,
+    CHECK_ANSWERS,
+    DISCARD,
+    TOPIC,
+    PRODUCERS,
+    RUNS,
+    PENDING,
+    RESOLVED,
+    QUEUES,
+    REJECTED,
+    LEASE,
+)
 
 
 def table_path(warehouse: str, table: TableSchema) -> str:

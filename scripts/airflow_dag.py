@@ -32,10 +32,11 @@ The module imports without Airflow: the command and the operator's keyword
 arguments are built by plain functions, tested in tests/test_airflow_dag.py;
 the DAG object is defined only when Airflow is importable.
 """
+
 from __future__ import annotations
 
 import os
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 try:
@@ -58,9 +59,12 @@ def repo_dir() -> Path:
     return Path(os.environ.get("TXN_REPO") or Path(__file__).resolve().parent.parent)
 
 
-def operator_kwargs(repo: Path | str | None = None, conf_file: str = "conf/reconcile.toml",
-                    extra_args: list[str] | None = None,
-                    conn_id: str = "spark_default") -> dict:
+def operator_kwargs(
+    repo: Path | str | None = None,
+    conf_file: str = "conf/reconcile.toml",
+    extra_args: list[str] | None = None,
+    conn_id: str = "spark_default",
+) -> dict:
     """Keyword arguments of SparkSubmitOperator for one `run` of the job.
 
     Paths are made absolute against the checkout: Airflow starts spark-submit
@@ -82,8 +86,9 @@ def operator_kwargs(repo: Path | str | None = None, conf_file: str = "conf/recon
     }
 
 
-def spark_submit_command(master: str = "local[2]", spark_submit: str = "spark-submit",
-                         **kwargs) -> list[str]:
+def spark_submit_command(
+    master: str = "local[2]", spark_submit: str = "spark-submit", **kwargs
+) -> list[str]:
     """The command line the operator ends up running (for logs, cron, and tests).
 
     Mirrors the order SparkSubmitHook uses: options, then the application and
@@ -120,6 +125,7 @@ try:
 except ImportError:
     DAG = None
 else:
+
     class LeaseAwareSparkSubmitOperator(SparkSubmitOperator):
         """SparkSubmitOperator whose exit 75 (lease held elsewhere) skips the task."""
 
@@ -130,13 +136,14 @@ else:
                 process = getattr(getattr(self, "_hook", None), "_submit_sp", None)
                 if process is not None and is_lease_held(process.returncode):
                     raise AirflowSkipException(
-                        "another reconciliation run holds the lease; nothing changed") from None
+                        "another reconciliation run holds the lease; nothing changed"
+                    ) from None
                 raise
 
     with DAG(
         dag_id=DAG_ID,
         schedule=SCHEDULE,
-        start_date=datetime(2026, 1, 1, tzinfo=timezone.utc),
+        start_date=datetime(2026, 1, 1, tzinfo=UTC),
         catchup=False,  # missed minutes need no replay: one run catches up everything
         max_active_runs=1,
         default_args=DEFAULT_ARGS,

@@ -30,6 +30,7 @@ Example:
     python scripts/bench_broker.py -w 256 -s 2048 -d 20
     python scripts/bench_broker.py --s3-loopback --threads-list 32,256 -d 20 --skip-naive
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from txn_core import (  # noqa: E402
+from txn_core import (
     Broker,
     LocalTransactionState,
     Message,
@@ -50,7 +51,7 @@ from txn_core import (  # noqa: E402
     TransactionProducer,
 )
 
-from bench_store import Store, add_arguments, stores_from_args  # noqa: E402
+from bench_store import Store, add_arguments, stores_from_args
 
 COMMIT = LocalTransactionState.COMMIT_MESSAGE
 ROLLBACK = LocalTransactionState.ROLLBACK_MESSAGE
@@ -101,11 +102,15 @@ def per_message(counts_before: dict, counts_after: dict, messages: int) -> dict:
 def run_per_message(args, group_commit: bool, duration: float, store: Store) -> dict:
     """Closed-loop senders for `duration` seconds; returns the figures."""
     broker, warehouse = open_broker(store, group_commit=group_commit)
-    producer = TransactionProducer(broker, "benchmark_transaction_producer",
-                                   BenchListener(args.check_rollback_rate,
-                                                 args.check_unknown_rate))
-    bodies = [make_body(args.message_size, args.send_rollback_rate, args.send_unknown_rate)
-              for _ in range(256)]
+    producer = TransactionProducer(
+        broker,
+        "benchmark_transaction_producer",
+        BenchListener(args.check_rollback_rate, args.check_unknown_rate),
+    )
+    bodies = [
+        make_body(args.message_size, args.send_rollback_rate, args.send_unknown_rate)
+        for _ in range(256)
+    ]
     stop = threading.Event()
     start = threading.Barrier(args.threads + 1)
     latencies: list[list[float]] = [[] for _ in range(args.threads)]
@@ -119,7 +124,8 @@ def run_per_message(args, group_commit: bool, duration: float, store: Store) -> 
             t0 = time.perf_counter()
             try:
                 result = producer.send_message_in_transaction(
-                    Message(topic=args.topic, body=bodies[n % len(bodies)]))
+                    Message(topic=args.topic, body=bodies[n % len(bodies)])
+                )
             except Exception:  # noqa: BLE001 - counted like RocketMQ's benchmark
                 failures[i] += 1
                 continue
@@ -131,8 +137,7 @@ def run_per_message(args, group_commit: bool, duration: float, store: Store) -> 
             if args.interval_ms:
                 time.sleep(args.interval_ms / 1000)
 
-    threads = [threading.Thread(target=sender, args=(i,), daemon=True)
-               for i in range(args.threads)]
+    threads = [threading.Thread(target=sender, args=(i,), daemon=True) for i in range(args.threads)]
     [t.start() for t in threads]
     start.wait()
     began = time.perf_counter()
@@ -156,14 +161,18 @@ def run_per_message(args, group_commit: bool, duration: float, store: Store) -> 
     return {
         "store": store.name,
         "design": "group commit" if group_commit else "naive (one commit per row)",
-        "threads": args.threads, "messages": len(lat), "seconds": round(elapsed, 2),
+        "threads": args.threads,
+        "messages": len(lat),
+        "seconds": round(elapsed, 2),
         **(per_message(requests_before, requests_after, len(lat)) if requests_after else {}),
         "msgs_per_s": round(sum(decided) / elapsed, 1),
         "p50_ms": round(percentile(lat, 0.50) * 1e3, 1),
         "p99_ms": round(percentile(lat, 0.99) * 1e3, 1),
         "max_ms": round((lat[-1] if lat else float("nan")) * 1e3, 1),
-        "failures": sum(failures), "half_commits": commits["_sys/half"],
-        "op_commits": commits["_sys/op"], "senders_still_committing_after_window": stragglers,
+        "failures": sum(failures),
+        "half_commits": commits["_sys/half"],
+        "op_commits": commits["_sys/op"],
+        "senders_still_committing_after_window": stragglers,
         **{f"writer {table}": writer_figures(stats, elapsed) for table, stats in window.items()},
     }
 
@@ -171,20 +180,24 @@ def run_per_message(args, group_commit: bool, duration: float, store: Store) -> 
 def writer_figures(stats, elapsed: float) -> dict:
     """A writer thread's window: commit size and time, its time by activity,
     and how busy its upkeep thread was (checkpoints, compaction, log clean-up)."""
+
     def share(seconds: float) -> str:
         return f"{100 * seconds / elapsed:.0f}%"
-    return {"rows_per_commit": round(stats.rows_per_commit, 1),
-            "ms_per_commit": round(stats.ms_per_commit, 1),
-            "in_commit": share(stats.commit_s), "building": share(stats.build_s),
-            "idle": share(stats.idle_s),
-            "upkeep_beside_it": share(stats.upkeep_s),
-            "upkeep_log_races_retried": stats.upkeep_retries}
+
+    return {
+        "rows_per_commit": round(stats.rows_per_commit, 1),
+        "ms_per_commit": round(stats.ms_per_commit, 1),
+        "in_commit": share(stats.commit_s),
+        "building": share(stats.build_s),
+        "idle": share(stats.idle_s),
+        "upkeep_beside_it": share(stats.upkeep_s),
+        "upkeep_log_races_retried": stats.upkeep_retries,
+    }
 
 
 def run_batches(args, store: Store) -> dict:
     broker, warehouse = open_broker(store)
-    producer = TransactionProducer(broker, "benchmark_transaction_producer",
-                                   BenchListener(0, 0))
+    producer = TransactionProducer(broker, "benchmark_transaction_producer", BenchListener(0, 0))
     body = bytes([0]) + os.urandom(args.message_size - 1)  # every batch commits
     batch = [Message(topic=args.topic, body=body) for _ in range(args.batch_size)]
     sent, lat = 0, []
@@ -198,12 +211,17 @@ def run_batches(args, store: Store) -> dict:
     broker.close()
     store.remove(warehouse)
     lat.sort()
-    return {"store": store.name, "design": "batch path", "batch_size": args.batch_size,
-            "batches": len(lat),
-            "messages": sent, "seconds": round(elapsed, 2),
-            "msgs_per_s": round(sent / elapsed, 1),
-            "p50_batch_ms": round(percentile(lat, 0.5) * 1e3, 1),
-            "max_batch_ms": round(lat[-1] * 1e3, 1)}
+    return {
+        "store": store.name,
+        "design": "batch path",
+        "batch_size": args.batch_size,
+        "batches": len(lat),
+        "messages": sent,
+        "seconds": round(elapsed, 2),
+        "msgs_per_s": round(sent / elapsed, 1),
+        "p50_batch_ms": round(percentile(lat, 0.5) * 1e3, 1),
+        "max_batch_ms": round(lat[-1] * 1e3, 1),
+    }
 
 
 def main(argv=None) -> int:
@@ -220,13 +238,18 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=10_000)
     p.add_argument("--batch-duration", type=float, default=10.0)
     p.add_argument("--skip-naive", action="store_true")
-    p.add_argument("--threads-list", default=None,
-                   help="with an object store: comma-separated thread counts (default: -w)")
+    p.add_argument(
+        "--threads-list",
+        default=None,
+        help="with an object store: comma-separated thread counts (default: -w)",
+    )
     add_arguments(p)
     args = p.parse_args(argv)
 
-    print("durable = committed to a Delta table (commit file written to the warehouse's "
-          "storage); no fsync on local disk, like RocketMQ's default ASYNC_FLUSH")
+    print(
+        "durable = committed to a Delta table (commit file written to the warehouse's "
+        "storage); no fsync on local disk, like RocketMQ's default ASYNC_FLUSH"
+    )
     stores, server = stores_from_args(args)
     if len(stores) == 2:
         try:
@@ -244,8 +267,7 @@ def main(argv=None) -> int:
         naive = run_per_message(args, False, args.duration, local)
         print(json.dumps(naive))
         ratio = grouped["msgs_per_s"] / naive["msgs_per_s"] if naive["msgs_per_s"] else None
-        print(json.dumps({"group_commit_vs_naive": round(ratio, 1) if ratio else None}),
-              flush=True)
+        print(json.dumps({"group_commit_vs_naive": round(ratio, 1) if ratio else None}), flush=True)
     # Abandoned naive senders may still be inside delta-rs: leave without
     # running interpreter shutdown under them.
     os._exit(0)
@@ -259,18 +281,25 @@ def compare_stores(args, *stores: Store) -> None:
         local, s3 = (run_per_message(args, True, args.duration, s) for s in stores)
         print(json.dumps(local), flush=True)
         print(json.dumps(s3), flush=True)
-        print(json.dumps(_ratios(f"per-message, {threads} threads", local, s3,
-                                 ("msgs_per_s", "p50_ms", "p99_ms"))), flush=True)
+        print(
+            json.dumps(
+                _ratios(
+                    f"per-message, {threads} threads", local, s3, ("msgs_per_s", "p50_ms", "p99_ms")
+                )
+            ),
+            flush=True,
+        )
     local, s3 = (run_batches(args, s) for s in stores)
     print(json.dumps(local), flush=True)
     print(json.dumps(s3), flush=True)
-    print(json.dumps(_ratios("batch path", local, s3, ("msgs_per_s", "p50_batch_ms"))),
-          flush=True)
+    print(json.dumps(_ratios("batch path", local, s3, ("msgs_per_s", "p50_batch_ms"))), flush=True)
 
 
 def _ratios(label: str, local: dict, s3: dict, keys: tuple[str, ...]) -> dict:
-    return {"s3_over_local": label,
-            **{k: round(s3[k] / local[k], 2) if local[k] else None for k in keys}}
+    return {
+        "s3_over_local": label,
+        **{k: round(s3[k] / local[k], 2) if local[k] else None for k in keys},
+    }
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ the mix: 85 % commit, 10 % roll back, 5 % stay pending.
     python scripts/bench_reconcile.py --batch 200000
     python scripts/bench_reconcile.py --batch 200000 --s3-loopback
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,13 +49,13 @@ from deltalake import DeltaTable, write_deltalake
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from schemas import HALF, OP, table_path  # noqa: E402
-from schemas.arrow import arrow_schema  # noqa: E402
-from schemas.spark import spark_schema  # noqa: E402
-from txn_core.storage import options_for  # noqa: E402
-from txn_core.tables import ensure_broker_tables  # noqa: E402
+from schemas import HALF, OP, table_path
+from schemas.arrow import arrow_schema
+from schemas.spark import spark_schema
+from txn_core.storage import options_for
+from txn_core.tables import ensure_broker_tables
 
-from bench_store import Store, add_arguments, stores_from_args  # noqa: E402
+from bench_store import Store, add_arguments, stores_from_args
 
 TOPICS = ("ORDER", "PAY", "SHIP", "BILL")
 SMALL = 50
@@ -69,15 +70,22 @@ def _strings(prefix: str, offsets: pa.Array) -> pa.Array:
 def half_batch(start: int, n: int, body_bytes: int, store_ms: int) -> pa.Table:
     idx = range(start, start + n)
     off = pa.array(idx, pa.int64())
-    props = pa.MapArray.from_arrays(pa.array(range(0, 2 * n + 1, 2), pa.int32()),
-                                    pa.array(["k", "n"] * n), pa.array(["v", "x"] * n))
+    props = pa.MapArray.from_arrays(
+        pa.array(range(0, 2 * n + 1, 2), pa.int32()),
+        pa.array(["k", "n"] * n),
+        pa.array(["v", "x"] * n),
+    )
     cols = {
-        "half_offset": off, "transaction_id": _strings("tx-", off),
-        "msg_id": _strings("msg-", off), "producer_group": pa.array(["bench_group"] * n),
+        "half_offset": off,
+        "transaction_id": _strings("tx-", off),
+        "msg_id": _strings("msg-", off),
+        "producer_group": pa.array(["bench_group"] * n),
         "topic": pa.array([TOPICS[i % len(TOPICS)] for i in idx]),
         "queue_id": pa.array([i % 8 for i in idx], pa.int32()),
-        "tags": pa.array(["t"] * n), "keys": _strings("k-", off),
-        "body": pa.array([b"x" * body_bytes] * n, pa.binary()), "properties": props,
+        "tags": pa.array(["t"] * n),
+        "keys": _strings("k-", off),
+        "body": pa.array([b"x" * body_bytes] * n, pa.binary()),
+        "properties": props,
         "born_ms": pa.array([store_ms - 1] * n, pa.int64()),
         "store_ms": pa.array([store_ms] * n, pa.int64()),
         "check_immunity_s": pa.nulls(n, pa.int32()),
@@ -91,8 +99,10 @@ def op_batch(start: int, n: int, store_ms: int, pending: bool) -> pa.Table:
     off = pa.array(decided, pa.int64())
     m = len(decided)
     cols = {
-        "op_offset": pa.array([i + (1 << 40) for i in decided], pa.int64()), "half_offset": off,
-        "transaction_id": _strings("tx-", off), "producer_group": pa.array(["bench_group"] * m),
+        "op_offset": pa.array([i + (1 << 40) for i in decided], pa.int64()),
+        "half_offset": off,
+        "transaction_id": _strings("tx-", off),
+        "producer_group": pa.array(["bench_group"] * m),
         "action": pa.array(["ROLLBACK" if i % 20 in (1, 2) else "COMMIT" for i in decided]),
         "source": pa.array(["PRODUCER"] * m),
         "store_ms": pa.array([store_ms + 1] * m, pa.int64()),
@@ -101,17 +111,26 @@ def op_batch(start: int, n: int, store_ms: int, pending: bool) -> pa.Table:
     return pa.table(cols, schema=arrow_schema(OP))
 
 
-def fill(warehouse: str, start: int, n: int, body_bytes: int, store_ms: int,
-         leave_pending: bool) -> None:
+def fill(
+    warehouse: str, start: int, n: int, body_bytes: int, store_ms: int, leave_pending: bool
+) -> None:
     ensure_broker_tables(warehouse)
     for s in range(start, start + n, CHUNK):
         k = min(CHUNK, start + n - s)
-        write_deltalake(table_path(warehouse, HALF), half_batch(s, k, body_bytes, store_ms),
-                        mode="append", storage_options=options_for(warehouse))
+        write_deltalake(
+            table_path(warehouse, HALF),
+            half_batch(s, k, body_bytes, store_ms),
+            mode="append",
+            storage_options=options_for(warehouse),
+        )
     for s in range(start, start + n, CHUNK):
         k = min(CHUNK, start + n - s)
-        write_deltalake(table_path(warehouse, OP), op_batch(s, k, store_ms, leave_pending),
-                        mode="append", storage_options=options_for(warehouse))
+        write_deltalake(
+            table_path(warehouse, OP),
+            op_batch(s, k, store_ms, leave_pending),
+            mode="append",
+            storage_options=options_for(warehouse),
+        )
 
 
 def timed(fn) -> tuple[float, object]:
@@ -127,8 +146,8 @@ def _topic_like_table(spark, out: str) -> None:
 
     from jobs.job_tables import table_properties
     from schemas import TOPIC
-    builder = SparkDeltaTable.createIfNotExists(spark).location(out).addColumns(
-        spark_schema(HALF))
+
+    builder = SparkDeltaTable.createIfNotExists(spark).location(out).addColumns(spark_schema(HALF))
     for key, value in table_properties(TOPIC).items():
         builder = builder.property(key, value)
     builder.execute()
@@ -140,23 +159,30 @@ def _delivered_rows(spark, warehouse: str, start_half_v: int, start_op_v: int):
     row-by-row reader)."""
     from jobs.inputs import added_rows
     from jobs.job_tables import latest_version
+
     half_path, op_path = table_path(warehouse, HALF), table_path(warehouse, OP)
     half = added_rows(spark, half_path, HALF, start_half_v, latest_version(half_path))
     ops = added_rows(spark, op_path, OP, start_op_v, latest_version(op_path))
-    return (half.join(ops.where("action = 'COMMIT'").select("half_offset"), "half_offset")
-            .drop("commit_version"))
+    return half.join(ops.where("action = 'COMMIT'").select("half_offset"), "half_offset").drop(
+        "commit_version"
+    )
 
 
 def lower_bound(spark, warehouse: str, start_half_v: int, start_op_v: int, out: str) -> float:
     """Read B new half + OP rows as the job does, write the delivered rows once,
     all to one table."""
     _topic_like_table(spark, out)
-    return timed(lambda: _delivered_rows(spark, warehouse, start_half_v, start_op_v)
-                 .write.format("delta").mode("append").save(out))[0]
+    return timed(
+        lambda: _delivered_rows(spark, warehouse, start_half_v, start_op_v)
+        .write.format("delta")
+        .mode("append")
+        .save(out)
+    )[0]
 
 
-def lower_bound_by_topic(spark, warehouse: str, start_half_v: int, start_op_v: int,
-                         out: str) -> float:
+def lower_bound_by_topic(
+    spark, warehouse: str, start_half_v: int, start_op_v: int, out: str
+) -> float:
     """The same, but each row written to its topic's table, as the job must:
     the rows read and joined once and kept, then one write per topic, four at
     a time (as the job writes). What writing to several tables costs beyond
@@ -164,6 +190,7 @@ def lower_bound_by_topic(spark, warehouse: str, start_half_v: int, start_op_v: i
     from concurrent.futures import ThreadPoolExecutor
 
     from jobs.held import Held
+
     outs = {topic: f"{out}/{topic}" for topic in TOPICS}
     for path in outs.values():
         _topic_like_table(spark, path)
@@ -172,9 +199,17 @@ def lower_bound_by_topic(spark, warehouse: str, start_half_v: int, start_op_v: i
         held = Held()
         kept = held.checkpoint(_delivered_rows(spark, warehouse, start_half_v, start_op_v))
         with ThreadPoolExecutor(4) as pool:
-            list(pool.map(lambda t: kept.where(kept.topic == t).write.format("delta")
-                          .mode("append").save(outs[t]), TOPICS))
+            list(
+                pool.map(
+                    lambda t: kept.where(kept.topic == t)
+                    .write.format("delta")
+                    .mode("append")
+                    .save(outs[t]),
+                    TOPICS,
+                )
+            )
         held.release()
+
     return timed(run)[0]
 
 
@@ -185,6 +220,7 @@ def _all(values: list[float], digits: int = 1) -> str:
 def measure(spark, store: Store, args) -> dict:
     """Every figure of the module's docstring, on `store`."""
     from jobs.reconcile import reconcile
+
     b, h = args.batch, args.history_factor * args.batch
     cfg = store.config
 
@@ -235,25 +271,49 @@ def measure(spark, store: Store, args) -> dict:
     hist_times, lower_times = [], []
     for r in range(args.repeats):
         hist_times.append(run(hist)[0])
-        lower_times.append(lower_bound(spark, hist, half_v, op_v,
-                                       store.warehouse(f"lower_bound-{r}")))
+        lower_times.append(
+            lower_bound(spark, hist, half_v, op_v, store.warehouse(f"lower_bound-{r}"))
+        )
     lower_bound_by_topic(spark, hist, half_v, op_v, store.warehouse("by_topic_warm_up"))
     t_by_topic = lower_bound_by_topic(spark, hist, half_v, op_v, store.warehouse("by_topic"))
 
     fill(fresh, b, SMALL, args.body_bytes, NOW, leave_pending=True)
     t_small, s_small = timed(lambda: reconcile(spark, cfg(fresh), now_ms=NOW + 1000))
-    return {"store": store, "b": b, "h": h, "fresh_runs": fresh_runs, "fresh_1": t_fresh_1,
-            "hist": hist_times, "hist_1": t_hist_1, "build": t_build, "lower": lower_times,
-            "by_topic": t_by_topic, "small": (t_small, s_small), "fresh_warehouse": fresh}
+    return {
+        "store": store,
+        "b": b,
+        "h": h,
+        "fresh_runs": fresh_runs,
+        "fresh_1": t_fresh_1,
+        "hist": hist_times,
+        "hist_1": t_hist_1,
+        "build": t_build,
+        "lower": lower_times,
+        "by_topic": t_by_topic,
+        "small": (t_small, s_small),
+        "fresh_warehouse": fresh,
+    }
 
 
 def empty_run(store: Store, warehouse: str) -> tuple[float, subprocess.CompletedProcess]:
     """`txn-reconcile run` with nothing new, in a new process."""
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "jobs.reconcile", "run", "--warehouse",
-                           warehouse, "--now-ms", str(NOW + 1000), *store.cli_flags()],
-                          capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jobs.reconcile",
+            "run",
+            "--warehouse",
+            warehouse,
+            "--now-ms",
+            str(NOW + 1000),
+            *store.cli_flags(),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     return time.perf_counter() - t0, done
 
 
@@ -266,27 +326,44 @@ def report(f: dict, repeats: int) -> dict[str, float]:
     t_empty, empty = f["empty"]
     h = f["h"]
     print(f"--- {f['store'].name}: {f['store'].root}")
-    print(f"run over B, H = 0            : {t_fresh:8.1f} s  "
-          f"{_all([t for t, _ in f['fresh_runs']])} "
-          f"(first time {f['fresh_1']:.1f} s; committed {s_fresh.committed:,}, "
-          f"rolled back {s_fresh.rolled_back:,}, pending {s_fresh.pending_after:,})")
-    print(f"run over B, H = {h:<12,}: {t_hist:8.1f} s  {_all(f['hist'])} "
-          f"(first time {f['hist_1']:.1f} s; history run itself {f['build']:.1f} s)")
+    print(
+        f"run over B, H = 0            : {t_fresh:8.1f} s  "
+        f"{_all([t for t, _ in f['fresh_runs']])} "
+        f"(first time {f['fresh_1']:.1f} s; committed {s_fresh.committed:,}, "
+        f"rolled back {s_fresh.rolled_back:,}, pending {s_fresh.pending_after:,})"
+    )
+    print(
+        f"run over B, H = {h:<12,}: {t_hist:8.1f} s  {_all(f['hist'])} "
+        f"(first time {f['hist_1']:.1f} s; history run itself {f['build']:.1f} s)"
+    )
     print(f"history ratio                : {t_hist / t_fresh:8.2f}   (target <= 1.3)")
     print(f"lower bound (read B, write delivered once): {t_lower:.1f} s  {_all(f['lower'])}")
-    print(f"run / lower bound            : {t_hist / t_lower:8.2f}   (target <= 3; each "
-          f"repetition: {_all([t / lt for t, lt in zip(f['hist'], f['lower'])], 2)}; "
-          f"first time / lower bound {f['hist_1'] / t_lower:.2f})")
-    print(f"the same rows to their {len(TOPICS)} topic tables (2nd time): "
-          f"{f['by_topic']:.1f} s; run / that: {t_hist / f['by_topic']:.2f}")
-    print(f"empty run, new process       : {t_empty:8.1f} s  exit {empty.returncode} "
-          f"(target <= 20 s)")
-    print(f"small run, {SMALL} new messages  : {t_small:8.1f} s  (after run 1, same session; "
-          f"committed {s_small.committed})", flush=True)
+    print(
+        f"run / lower bound            : {t_hist / t_lower:8.2f}   (target <= 3; each "
+        f"repetition: {_all([t / lt for t, lt in zip(f['hist'], f['lower'])], 2)}; "
+        f"first time / lower bound {f['hist_1'] / t_lower:.2f})"
+    )
+    print(
+        f"the same rows to their {len(TOPICS)} topic tables (2nd time): "
+        f"{f['by_topic']:.1f} s; run / that: {t_hist / f['by_topic']:.2f}"
+    )
+    print(
+        f"empty run, new process       : {t_empty:8.1f} s  exit {empty.returncode} (target <= 20 s)"
+    )
+    print(
+        f"small run, {SMALL} new messages  : {t_small:8.1f} s  (after run 1, same session; "
+        f"committed {s_small.committed})",
+        flush=True,
+    )
     if empty.returncode:
         print(empty.stderr[-2000:], file=sys.stderr)
-    return {"run over B, H = 0": t_fresh, "run over B after history": t_hist,
-            "lower bound": t_lower, "empty run": t_empty, "small run": t_small}
+    return {
+        "run over B, H = 0": t_fresh,
+        "run over B after history": t_hist,
+        "lower bound": t_lower,
+        "empty run": t_empty,
+        "small run": t_small,
+    }
 
 
 def main(argv=None) -> None:
@@ -294,23 +371,29 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=1_000_000, help="B, new messages per run")
     p.add_argument("--history-factor", type=int, default=10, help="H = factor x B")
     p.add_argument("--body-bytes", type=int, default=100)
-    p.add_argument("--repeats", type=int, default=5,
-                   help="measured repetitions of each run and of the lower bound "
-                        "(their medians are compared)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="measured repetitions of each run and of the lower bound (their medians are compared)",
+    )
     add_arguments(p)
     args = p.parse_args(argv)
     stores, server = stores_from_args(args)
 
     from jobs.session import build_spark
+
     try:
         spark = build_spark("bench-reconcile")
         measured = [measure(spark, store, args) for store in stores]
         spark.stop()
         for f in measured:
             f["empty"] = empty_run(f["store"], f["fresh_warehouse"])
-        print(f"B = {args.batch:,} new messages per run (85% commit, 10% rollback, "
-              f"5% pending), H = {args.history_factor * args.batch:,} resolved before, "
-              f"body {args.body_bytes} B, cores = {os.cpu_count()}")
+        print(
+            f"B = {args.batch:,} new messages per run (85% commit, 10% rollback, "
+            f"5% pending), H = {args.history_factor * args.batch:,} resolved before, "
+            f"body {args.body_bytes} B, cores = {os.cpu_count()}"
+        )
         print(f"medians of {args.repeats} measured repetitions; all of them in brackets")
         headlines = [report(f, args.repeats) for f in measured]
         if len(headlines) == 2:

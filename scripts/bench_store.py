@@ -6,6 +6,7 @@ Both benchmarks take the same flags from `add_arguments` and get their stores
 from `stores_from_args`: with an object store they measure local disk and the
 object store in one invocation, so its cost is a ratio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,28 +20,37 @@ import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from txn_core.config import Config, absolute_warehouse, load_config  # noqa: E402
-from txn_core.storage import Storage, is_s3, use  # noqa: E402
+from txn_core.config import Config, absolute_warehouse, load_config
+from txn_core.storage import Storage, is_s3, use
 
-from s3_loopback import Running  # noqa: E402
+from s3_loopback import Running
 
 LOOPBACK_BUCKET = "bench"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("object store (measured beside local disk)")
-    group.add_argument("--warehouse", default=None, metavar="s3://BUCKET/PREFIX",
-                       help="measure on this bucket too; each measured design gets a fresh "
-                            "prefix under it (credentials from the AWS environment/profile)")
+    group.add_argument(
+        "--warehouse",
+        default=None,
+        metavar="s3://BUCKET/PREFIX",
+        help="measure on this bucket too; each measured design gets a fresh "
+        "prefix under it (credentials from the AWS environment/profile)",
+    )
     group.add_argument("--s3-endpoint", default="", help="as the s3_endpoint key")
     group.add_argument("--s3-region", default="", help="as the s3_region key")
     group.add_argument("--s3-path-style", choices=("true", "false"), default="false")
     group.add_argument("--s3-allow-http", choices=("true", "false"), default="false")
-    group.add_argument("--s3-loopback", nargs="?", const="minio", choices=("minio", "moto"),
-                       default=None,
-                       help="start an S3 server on 127.0.0.1 (scripts/s3_loopback.py: MinIO "
-                            "unless 'moto' is given) and measure on it; it also counts the "
-                            "requests per message")
+    group.add_argument(
+        "--s3-loopback",
+        nargs="?",
+        const="minio",
+        choices=("minio", "moto"),
+        default=None,
+        help="start an S3 server on 127.0.0.1 (scripts/s3_loopback.py: MinIO "
+        "unless 'moto' is given) and measure on it; it also counts the "
+        "requests per message",
+    )
 
 
 class Store:
@@ -49,16 +59,30 @@ class Store:
     `counts_url`: where the server reports its request counts (the loopback
     server does; a real bucket does not, and `requests()` is then empty)."""
 
-    def __init__(self, root: str | None = None, *, s3_endpoint: str = "",
-                 s3_region: str = "", s3_path_style: bool = False,
-                 s3_allow_http: bool = False, counts_url: str | None = None):
+    def __init__(
+        self,
+        root: str | None = None,
+        *,
+        s3_endpoint: str = "",
+        s3_region: str = "",
+        s3_path_style: bool = False,
+        s3_allow_http: bool = False,
+        counts_url: str | None = None,
+    ):
         self.local_root = None if root else tempfile.mkdtemp(prefix="bench-")
         # The URI form both engines read (delta-rs and Spark's s3a).
-        self.root = (absolute_warehouse(root.rstrip("/") + "/" + uuid.uuid4().hex[:12])
-                     if root else self.local_root)
+        self.root = (
+            absolute_warehouse(root.rstrip("/") + "/" + uuid.uuid4().hex[:12])
+            if root
+            else self.local_root
+        )
         self.name = "local" if root is None else "s3"
-        self.s3 = {"s3_endpoint": s3_endpoint, "s3_region": s3_region,
-                   "s3_path_style": s3_path_style, "s3_allow_http": s3_allow_http}
+        self.s3 = {
+            "s3_endpoint": s3_endpoint,
+            "s3_region": s3_region,
+            "s3_path_style": s3_path_style,
+            "s3_allow_http": s3_allow_http,
+        }
         self.counts_url = counts_url
 
     def warehouse(self, name: str | None = None) -> str:
@@ -73,8 +97,9 @@ class Store:
         return config
 
     def _config(self, warehouse: str, **keys) -> Config:
-        return load_config(env={}, warehouse=warehouse,
-                           **(self.s3 if self.name == "s3" else {}), **keys)
+        return load_config(
+            env={}, warehouse=warehouse, **(self.s3 if self.name == "s3" else {}), **keys
+        )
 
     def cli_flags(self) -> list[str]:
         """The same settings as `txn-reconcile` flags."""
@@ -83,8 +108,10 @@ class Store:
         flags = []
         for key, value in self.s3.items():
             if value not in ("", False):
-                flags += ["--" + key.replace("_", "-"),
-                          str(value).lower() if isinstance(value, bool) else value]
+                flags += [
+                    "--" + key.replace("_", "-"),
+                    str(value).lower() if isinstance(value, bool) else value,
+                ]
         return flags
 
     def copy(self, source: str, target: str) -> None:
@@ -95,8 +122,9 @@ class Store:
         client, bucket, src = self._client(source)
         dst = self._key(target)
         for key in self._keys(client, bucket, src):
-            client.copy_object(Bucket=bucket, Key=dst + key[len(src):],
-                               CopySource={"Bucket": bucket, "Key": key})
+            client.copy_object(
+                Bucket=bucket, Key=dst + key[len(src) :], CopySource={"Bucket": bucket, "Key": key}
+            )
 
     def remove(self, warehouse: str) -> None:
         if self.name == "local":
@@ -105,8 +133,10 @@ class Store:
         client, bucket, prefix = self._client(warehouse)
         keys = list(self._keys(client, bucket, prefix))
         for i in range(0, len(keys), 1000):
-            client.delete_objects(Bucket=bucket, Delete={
-                "Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+            client.delete_objects(
+                Bucket=bucket,
+                Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True},
+            )
 
     def requests(self) -> dict[str, int]:
         """The server's request counts by kind so far ({} when it keeps none)."""
@@ -130,8 +160,7 @@ class Store:
 
     @staticmethod
     def _keys(client, bucket: str, prefix: str):
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket,
-                                                                      Prefix=prefix):
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             for obj in page.get("Contents", []):
                 yield obj["Key"]
 
@@ -147,8 +176,13 @@ class Loopback(Running):
         self.bucket = bucket
 
     def store(self) -> Store:
-        return Store(f"s3://{self.bucket}", s3_endpoint=self.endpoint, s3_path_style=True,
-                     s3_allow_http=True, counts_url=self.counts_url)
+        return Store(
+            f"s3://{self.bucket}",
+            s3_endpoint=self.endpoint,
+            s3_path_style=True,
+            s3_allow_http=True,
+            counts_url=self.counts_url,
+        )
 
 
 def stores_from_args(args) -> tuple[list[Store], Loopback | None]:
@@ -160,8 +194,14 @@ def stores_from_args(args) -> tuple[list[Store], Loopback | None]:
     if args.warehouse:
         if not is_s3(args.warehouse):
             raise SystemExit(f"--warehouse must be an s3:// URI; got {args.warehouse!r}")
-        return [Store(), Store(args.warehouse, s3_endpoint=args.s3_endpoint,
-                               s3_region=args.s3_region,
-                               s3_path_style=args.s3_path_style == "true",
-                               s3_allow_http=args.s3_allow_http == "true")], None
+        return [
+            Store(),
+            Store(
+                args.warehouse,
+                s3_endpoint=args.s3_endpoint,
+                s3_region=args.s3_region,
+                s3_path_style=args.s3_path_style == "true",
+                s3_allow_http=args.s3_allow_http == "true",
+            ),
+        ], None
     return [Store()], None

@@ -14,6 +14,7 @@ warns on stderr and starts without it. Rerun with `--force` after upgrading.
     python scripts/build_class_archive.py            # builds it if missing
     python scripts/build_class_archive.py --force    # rebuilds it
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,6 +35,7 @@ def up_to_date(archive: Path = CLASS_ARCHIVE) -> bool:
     """The archive exists and is newer than the jars it was made from (the
     Delta jar list `make setup` writes, and pyspark's own jars)."""
     import pyspark
+
     if not archive.is_file():
         return False
     sources = [JAR_LIST, Path(pyspark.__file__).parent / "jars"]
@@ -50,8 +52,12 @@ def loads(archive: Path) -> bool:
     """A JVM starts with the archive. A truncated archive crashes the JVM
     (SIGBUS) rather than being ignored, so none is installed unchecked."""
     # in the archive's folder: a crashing JVM leaves its hs_err_pid*.log in its cwd
-    probe = subprocess.run([java(), f"-XX:SharedArchiveFile={archive}", "-version"],
-                           capture_output=True, text=True, cwd=archive.parent)
+    probe = subprocess.run(
+        [java(), f"-XX:SharedArchiveFile={archive}", "-version"],
+        capture_output=True,
+        text=True,
+        cwd=archive.parent,
+    )
     return probe.returncode == 0
 
 
@@ -59,8 +65,16 @@ def build(out: Path = CLASS_ARCHIVE) -> Path:
     scratch = Path(tempfile.mkdtemp(prefix="class-archive-"))
     try:
         warehouse = str(scratch / "warehouse")
-        first = [sys.executable, "-m", "jobs.reconcile", "run", "--warehouse", warehouse,
-                 "--now-ms", "1"]
+        first = [
+            sys.executable,
+            "-m",
+            "jobs.reconcile",
+            "run",
+            "--warehouse",
+            warehouse,
+            "--now-ms",
+            "1",
+        ]
         _quietly(first)
         dumped = scratch / "spark-classes.jsa"
         _quietly([sys.executable, __file__, "--dump", str(dumped), warehouse])
@@ -91,8 +105,10 @@ def dump(archive: str, warehouse: str) -> None:
     from jobs.session import build_spark
 
     options = driver_java_options(short_lived=True, archive=Path(archive))  # no archive yet
-    spark = build_spark("txn-reconcile", conf={
-        "spark.driver.extraJavaOptions": f"{options} -XX:ArchiveClassesAtExit={archive}"})
+    spark = build_spark(
+        "txn-reconcile",
+        conf={"spark.driver.extraJavaOptions": f"{options} -XX:ArchiveClassesAtExit={archive}"},
+    )
     code = reconcile.main(["run", "--warehouse", warehouse, "--now-ms", "1"])
     if code != 0:
         raise SystemExit(f"the idle run failed with exit {code}")
@@ -115,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         built = build()
     except Exception as exc:  # noqa: BLE001 - only a speed-up: set-up goes on without it
-        print(f"could not build the JVM class archive ({exc}); Spark starts without it",
-              file=sys.stderr)
+        print(
+            f"could not build the JVM class archive ({exc}); Spark starts without it",
+            file=sys.stderr,
+        )
         return 0
     print(f"built {built.relative_to(REPO)} (JVM class archive: faster Spark starts)")
     return 0

@@ -7,6 +7,7 @@ to every executor and puts it on their `sys.path` (and on the driver's), so
     python scripts/build_pyfiles.py            # prints the zip's path
     python scripts/build_pyfiles.py --out other.zip
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,9 @@ def package_files(repo: Path = REPO) -> list[Path]:
         root = repo / package
         if not (root / "__init__.py").is_file():
             raise FileNotFoundError(f"package {package!r} not found under {repo}")
-        files.extend(p.relative_to(repo) for p in root.rglob("*.py")
-                     if "__pycache__" not in p.parts)
+        files.extend(
+            p.relative_to(repo) for p in root.rglob("*.py") if "__pycache__" not in p.parts
+        )
     return sorted(files)
 
 
@@ -52,8 +54,11 @@ def build_zip(out: Path | str = DEFAULT_OUT, repo: Path = REPO) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(DEFAULT_OUT),
-                        help="where to write the zip (default: dist/txn_pyfiles.zip)")
+    parser.add_argument(
+        "--out",
+        default=str(DEFAULT_OUT),
+        help="where to write the zip (default: dist/txn_pyfiles.zip)",
+    )
     args = parser.parse_args(argv)
     print(build_zip(args.out))
     return 0

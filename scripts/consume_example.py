@@ -7,6 +7,7 @@ Consumers need no Spark: `txn_core.consumer.read_topic` reads the topic's
 Delta table with delta-rs. Spark users read it as any Delta table:
 `spark.read.format("delta").load(f"{warehouse}/topics/ORDER")`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from txn_core.consumer import read_topic  # noqa: E402
+from txn_core.consumer import read_topic
 
 
 def main(argv=None) -> int:
@@ -25,11 +26,14 @@ def main(argv=None) -> int:
     p.add_argument("--queue-id", type=int)
     p.add_argument("--from-offset", type=int, default=0)
     args = p.parse_args(argv)
-    for row in read_topic(args.warehouse, args.topic, queue_id=args.queue_id,
-                          from_queue_offset=args.from_offset):
-        print(f"queue {row['queue_id']} offset {row['queue_offset']:>4}  "
-              f"keys={row['keys']!s:<12} tags={row['tags']!s:<10} "
-              f"body={row['body'][:40]!r}")
+    for row in read_topic(
+        args.warehouse, args.topic, queue_id=args.queue_id, from_queue_offset=args.from_offset
+    ):
+        print(
+            f"queue {row['queue_id']} offset {row['queue_offset']:>4}  "
+            f"keys={row['keys']!s:<12} tags={row['tags']!s:<10} "
+            f"body={row['body'][:40]!r}"
+        )
     return 0
 
 

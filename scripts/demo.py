@@ -15,6 +15,7 @@ consumer reads the real topics.
 A local warehouse is wiped at the start; on an object store the demo writes
 under a fresh prefix of the warehouse (`demo-<time>`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from txn_core import (  # noqa: E402
+from txn_core import (
     Broker,
     LocalTransactionState,
     Message,
@@ -33,9 +34,9 @@ from txn_core import (  # noqa: E402
     TransactionProducer,
     load_config,
 )
-from txn_core.consumer import read_topic  # noqa: E402
+from txn_core.consumer import read_topic
 
-from s3_loopback import Running  # noqa: E402
+from s3_loopback import Running
 
 COMMIT = LocalTransactionState.COMMIT_MESSAGE
 ROLLBACK = LocalTransactionState.ROLLBACK_MESSAGE
@@ -43,9 +44,13 @@ UNKNOWN = LocalTransactionState.UNKNOWN
 
 # order -> (what the local transaction returns at send, what a back-check answers)
 SCENARIO = {
-    "order-1": (COMMIT, None), "order-2": (COMMIT, None), "order-3": (COMMIT, None),
-    "order-4": (ROLLBACK, None), "order-5": (ROLLBACK, None),
-    "order-6": (UNKNOWN, COMMIT), "order-7": (UNKNOWN, COMMIT),
+    "order-1": (COMMIT, None),
+    "order-2": (COMMIT, None),
+    "order-3": (COMMIT, None),
+    "order-4": (ROLLBACK, None),
+    "order-5": (ROLLBACK, None),
+    "order-6": (UNKNOWN, COMMIT),
+    "order-7": (UNKNOWN, COMMIT),
     "order-8": (UNKNOWN, ROLLBACK),
     "order-9": (UNKNOWN, UNKNOWN),  # the local system never finds out
 }
@@ -74,9 +79,11 @@ class DemoClock:
 
 
 def show(label: str, s) -> None:
-    print(f"  {label:<38} delivered {s.committed:>2}  rolled back {s.rolled_back:>2}  "
-          f"check requests {s.check_requests:>2}  discarded {s.discarded_max_checks:>2}  "
-          f"pending {s.pending_after:>2}")
+    print(
+        f"  {label:<38} delivered {s.committed:>2}  rolled back {s.rolled_back:>2}  "
+        f"check requests {s.check_requests:>2}  discarded {s.discarded_max_checks:>2}  "
+        f"pending {s.pending_after:>2}"
+    )
 
 
 def s3_loopback() -> tuple[Running, dict]:
@@ -86,19 +93,30 @@ def s3_loopback() -> tuple[Running, dict]:
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "demo")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "demo-secret")
     server = Running("minio", "demo")
-    return server, {"warehouse": "s3://demo/warehouse", "s3_path_style": True,
-                    "s3_endpoint": server.endpoint, "s3_allow_http": True}
+    return server, {
+        "warehouse": "s3://demo/warehouse",
+        "s3_path_style": True,
+        "s3_endpoint": server.endpoint,
+        "s3_allow_http": True,
+    }
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--warehouse", default=None,
-                   help="demo warehouse (default: the configuration's, else ./warehouse/demo);"
-                        " wiped at the start when local")
-    p.add_argument("--s3-loopback", action="store_true",
-                   help="run against an S3 server started on loopback (scripts/s3_loopback.py)")
-    p.add_argument("--conf", default=os.path.join(os.path.dirname(__file__), "..", "conf",
-                                                  "reconcile.toml"))
+    p.add_argument(
+        "--warehouse",
+        default=None,
+        help="demo warehouse (default: the configuration's, else ./warehouse/demo);"
+        " wiped at the start when local",
+    )
+    p.add_argument(
+        "--s3-loopback",
+        action="store_true",
+        help="run against an S3 server started on loopback (scripts/s3_loopback.py)",
+    )
+    p.add_argument(
+        "--conf", default=os.path.join(os.path.dirname(__file__), "..", "conf", "reconcile.toml")
+    )
     args = p.parse_args(argv)
     server, overrides = s3_loopback() if args.s3_loopback else (None, {})
     try:
@@ -109,8 +127,12 @@ def main(argv=None) -> int:
 
 
 def demo(args, overrides: dict) -> int:
-    warehouse = (args.warehouse or overrides.pop("warehouse", None)
-                 or os.environ.get("TXN_WAREHOUSE") or "./warehouse/demo")
+    warehouse = (
+        args.warehouse
+        or overrides.pop("warehouse", None)
+        or os.environ.get("TXN_WAREHOUSE")
+        or "./warehouse/demo"
+    )
     if "://" in warehouse:  # an object store: a fresh prefix instead of a wipe
         warehouse = f"{warehouse.rstrip('/')}/demo-{int(time.time())}"
     else:
@@ -124,21 +146,31 @@ def demo(args, overrides: dict) -> int:
     broker = Broker.open(config, clock=clock)
     producer = TransactionProducer(broker, "order_group", OrderService())
     ids = {}
-    for order, (local, _) in SCENARIO.items():
-        result = producer.send_message_in_transaction(Message(
-            topic="ORDER", body=f'{{"order": "{order}"}}'.encode(), keys=order,
-            tags="created", properties={"source": "demo"}))
+    for order in SCENARIO:
+        result = producer.send_message_in_transaction(
+            Message(
+                topic="ORDER",
+                body=f'{{"order": "{order}"}}'.encode(),
+                keys=order,
+                tags="created",
+                properties={"source": "demo"},
+            )
+        )
         ids[order] = result.transaction_id
         print(f"  {order}: local transaction {result.local_state.value}")
     batch = producer.send_batch_in_transaction(
-        [Message(topic="INVOICE", body=f"invoice {i}".encode(), keys=f"invoice-{i}")
-         for i in range(5)])
+        [
+            Message(topic="INVOICE", body=f"invoice {i}".encode(), keys=f"invoice-{i}")
+            for i in range(5)
+        ]
+    )
     print(f"  invoice batch of {len(batch)}: {batch.local_state.value} (one commit, one OP commit)")
 
     print("\n2. Reconciliation runs (spark-submit jobs/reconcile.py run does the same):")
     from jobs.reconcile import reconcile
     from jobs.session import build_spark
     from jobs.verify import verify
+
     spark = build_spark("txn-demo")
 
     def run(label: str, after_s: int):
@@ -161,16 +193,20 @@ def demo(args, overrides: dict) -> int:
     run("(ADMIN commit overrides the discard)", 98)
 
     report = verify(spark, config)
-    print(f"\n4. verify (full anti-join audit of the raw tables): "
-          f"{'OK' if report.ok else 'DIFFERENCES'}")
+    print(
+        f"\n4. verify (full anti-join audit of the raw tables): "
+        f"{'OK' if report.ok else 'DIFFERENCES'}"
+    )
     if not report.ok:
         print(report.render())
 
     print("\n5. A consumer reads the real topics (delta-rs, no Spark):")
     for topic in ("ORDER", "INVOICE"):
         for row in read_topic(config, topic):
-            print(f"  {topic:<8} queue {row['queue_id']} offset {row['queue_offset']}  "
-                  f"{row['keys']:<10} {row['body'].decode()}")
+            print(
+                f"  {topic:<8} queue {row['queue_id']} offset {row['queue_offset']}  "
+                f"{row['keys']:<10} {row['body'].decode()}"
+            )
     producer.close()
     broker.close()
     spark.stop()

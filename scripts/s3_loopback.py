@@ -29,6 +29,7 @@ It prints `ready <port> counts <port>` once the buckets exist, and runs until
 killed (SIGTERM or Ctrl-C stops
 MinIO too; a SIGKILL stops it through the parent-death signal).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,8 +70,9 @@ def counting_app(app, *, conditional_writes: bool = True):
         if environ.get("PATH_INFO") == COUNTS_PATH:
             with lock:
                 body = json.dumps(dict(counts)).encode()
-            start_response("200 OK", [("Content-Type", "application/json"),
-                                      ("Content-Length", str(len(body)))])
+            start_response(
+                "200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+            )
             return [body]
         with lock:
             counts[_kind(environ)] += 1
@@ -84,8 +86,14 @@ def counting_app(app, *, conditional_writes: bool = True):
 
 def _create_buckets(endpoint: str, buckets: list[str], key_id: str, secret: str) -> None:
     import boto3
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                          aws_access_key_id=key_id, aws_secret_access_key=secret)
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=key_id,
+        aws_secret_access_key=secret,
+    )
     for bucket in buckets:
         client.create_bucket(Bucket=bucket)
 
@@ -94,8 +102,10 @@ def serve_moto(args) -> int:
     from moto.server import DomainDispatcherApplication, create_backend_app
     from werkzeug.serving import make_server
 
-    app = counting_app(DomainDispatcherApplication(create_backend_app),
-                       conditional_writes=not args.no_conditional_writes)
+    app = counting_app(
+        DomainDispatcherApplication(create_backend_app),
+        conditional_writes=not args.no_conditional_writes,
+    )
     server = make_server("127.0.0.1", args.port, app, threaded=True)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -111,9 +121,16 @@ def serve_moto(args) -> int:
 # --- MinIO ----------------------------------------------------------------------------
 
 #: MinIO's S3 API names (its `minio_api_requests_total` metric) by the kind counted
-_MINIO_KINDS = (("List", "LIST"), ("Head", "HEAD"), ("Get", "GET"), ("Delete", "DELETE"),
-                ("Put", "PUT"), ("Copy", "PUT"), ("NewMultipart", "POST"),
-                ("CompleteMultipart", "POST"))
+_MINIO_KINDS = (
+    ("List", "LIST"),
+    ("Head", "HEAD"),
+    ("Get", "GET"),
+    ("Delete", "DELETE"),
+    ("Put", "PUT"),
+    ("Copy", "PUT"),
+    ("NewMultipart", "POST"),
+    ("CompleteMultipart", "POST"),
+)
 #: its metrics v3 (v2's are cached for a while, too stale for a window of seconds)
 _MINIO_METRICS = "/minio/metrics/v3/api/requests"
 
@@ -121,8 +138,9 @@ _MINIO_METRICS = "/minio/metrics/v3/api/requests"
 def minio_counts(metrics_text: str) -> dict[str, int]:
     """Requests by kind from MinIO's Prometheus text."""
     counts: collections.Counter = collections.Counter()
-    for match in re.finditer(r'^minio_api_requests_total\{name="(\w+)"([^}]*)\}\s+([0-9.e+]+)$',
-                             metrics_text, re.M):
+    for match in re.finditer(
+        r'^minio_api_requests_total\{name="(\w+)"([^}]*)\}\s+([0-9.e+]+)$', metrics_text, re.M
+    ):
         if 'type="s3"' not in match.group(2):
             continue
         api, value = match.group(1), int(float(match.group(3)))
@@ -148,19 +166,39 @@ def serve_minio(args) -> int:
         return 2
     key_id, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
     if not key_id or not secret or len(secret) < 8:
-        print("error: MinIO needs AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (8+ characters) "
-              "in the environment: they become its only credentials", flush=True)
+        print(
+            "error: MinIO needs AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (8+ characters) "
+            "in the environment: they become its only credentials",
+            flush=True,
+        )
         return 2
     port = args.port or _free_port()
     data = tempfile.mkdtemp(prefix="s3-loopback-minio-")
-    env = dict(os.environ, MINIO_ROOT_USER=key_id, MINIO_ROOT_PASSWORD=secret,
-               MINIO_BROWSER="off", MINIO_PROMETHEUS_AUTH_TYPE="public",
-               MINIO_UPDATE="off", MINIO_CI_CD="on")
-    minio = subprocess.Popen([args.minio, "server", data, "--quiet", "--address",
-                              f"127.0.0.1:{port}", "--console-address",
-                              f"127.0.0.1:{_free_port()}"],
-                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             preexec_fn=_die_with_parent)
+    env = dict(
+        os.environ,
+        MINIO_ROOT_USER=key_id,
+        MINIO_ROOT_PASSWORD=secret,
+        MINIO_BROWSER="off",
+        MINIO_PROMETHEUS_AUTH_TYPE="public",
+        MINIO_UPDATE="off",
+        MINIO_CI_CD="on",
+    )
+    minio = subprocess.Popen(
+        [
+            args.minio,
+            "server",
+            data,
+            "--quiet",
+            "--address",
+            f"127.0.0.1:{port}",
+            "--console-address",
+            f"127.0.0.1:{_free_port()}",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,
+    )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
@@ -202,7 +240,7 @@ def _serve_counts(endpoint: str) -> int:
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class Counts(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (http.server's name)
+        def do_GET(self):
             with urllib.request.urlopen(endpoint + _MINIO_METRICS, timeout=10) as r:
                 body = json.dumps(minio_counts(r.read().decode())).encode()
             self.send_response(200)
@@ -226,14 +264,26 @@ class Running:
 
     def __init__(self, server: str = "minio", *buckets: str, extra_args: tuple[str, ...] = ()):
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--server", server, "--port", "0",
-             *(arg for bucket in buckets for arg in ("--bucket", bucket)), *extra_args],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--server",
+                server,
+                "--port",
+                "0",
+                *(arg for bucket in buckets for arg in ("--bucket", bucket)),
+                *extra_args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         line = self.proc.stdout.readline()
         if not line.startswith("ready "):
             self.proc.kill()
-            raise RuntimeError(f"the loopback S3 server ({server}) did not start: "
-                               f"{line.strip() or 'no answer'}")
+            raise RuntimeError(
+                f"the loopback S3 server ({server}) did not start: {line.strip() or 'no answer'}"
+            )
         _, port, _, counts_port = line.split()
         self.endpoint = f"http://127.0.0.1:{port}"
         self.counts_url = f"http://127.0.0.1:{counts_port}{COUNTS_PATH}"
@@ -250,11 +300,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--server", choices=("moto", "minio"), default="moto")
     parser.add_argument("--port", type=int, default=9000, help="0: a free port")
-    parser.add_argument("--bucket", action="append", default=[],
-                        help="a bucket to create at start (repeatable)")
-    parser.add_argument("--no-conditional-writes", action="store_true",
-                        help="moto only: ignore If-None-Match / If-Match (a store that does "
-                             "not enforce them)")
+    parser.add_argument(
+        "--bucket", action="append", default=[], help="a bucket to create at start (repeatable)"
+    )
+    parser.add_argument(
+        "--no-conditional-writes",
+        action="store_true",
+        help="moto only: ignore If-None-Match / If-Match (a store that does not enforce them)",
+    )
     parser.add_argument("--minio", default=MINIO, help=f"the MinIO binary ({MINIO})")
     args = parser.parse_args(argv)
     if args.server == "minio":

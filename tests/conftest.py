@@ -1,5 +1,6 @@
 """Shared fixtures: one SparkSession for the whole test session, and an
 S3-compatible server on loopback for the object-store tests."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,9 @@ S3_BUCKET = "txn-tests"
 # Set before any JVM starts: a JVM sees the environment it was started with,
 # and the session's Spark (the `spark` fixture) may start before the `s3` one.
 # No test reaches AWS itself: the object-store tests name a loopback endpoint.
-os.environ.update(AWS_ACCESS_KEY_ID=S3_KEY_ID, AWS_SECRET_ACCESS_KEY=S3_SECRET,
-                  AWS_EC2_METADATA_DISABLED="true")
+os.environ.update(
+    AWS_ACCESS_KEY_ID=S3_KEY_ID, AWS_SECRET_ACCESS_KEY=S3_SECRET, AWS_EC2_METADATA_DISABLED="true"
+)
 
 
 def pytest_collection_modifyitems(items):
@@ -41,9 +43,11 @@ def spark():
 
     # One JVM runs every test (~175, many full runs and audits): more heap
     # than a single run's default 2g needs.
-    session = build_spark("txn-tests", master="local[2]",
-                          conf={"spark.sql.shuffle.partitions": "2",
-                                "spark.driver.memory": "3g"})
+    session = build_spark(
+        "txn-tests",
+        master="local[2]",
+        conf={"spark.sql.shuffle.partitions": "2", "spark.driver.memory": "3g"},
+    )
     yield session
     session.stop()
 
@@ -67,12 +71,17 @@ class S3Server(Running):
 
     def config(self, prefix: str | None = None) -> dict:
         """Configuration keys of a fresh warehouse on this server."""
-        return {"warehouse": f"s3://{S3_BUCKET}/{prefix or uuid.uuid4().hex}",
-                "s3_endpoint": self.endpoint, "s3_path_style": True, "s3_allow_http": True}
+        return {
+            "warehouse": f"s3://{S3_BUCKET}/{prefix or uuid.uuid4().hex}",
+            "s3_endpoint": self.endpoint,
+            "s3_path_style": True,
+            "s3_allow_http": True,
+        }
 
     def requests(self) -> dict[str, int]:
         import json
         import urllib.request
+
         with urllib.request.urlopen(self.counts_url, timeout=10) as resp:
             return json.load(resp)
 

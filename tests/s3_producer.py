@@ -3,6 +3,7 @@ to the warehouse of the configuration given as JSON, then prints what it sent.
 
     python tests/s3_producer.py '{"warehouse": "s3://…", …}' MESSAGES_PER_THREAD
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,8 @@ def main() -> None:
         for i in range(per_thread):
             try:
                 result = producer.send_message_in_transaction(
-                    Message(topic="ORDER", body=f"{thread}-{i}".encode(),
-                            keys=f"k{thread}-{i}"))
+                    Message(topic="ORDER", body=f"{thread}-{i}".encode(), keys=f"k{thread}-{i}")
+                )
             except Exception as exc:  # noqa: BLE001 - reported to the test
                 with lock:
                     failures.append(f"send: {exc!r}")
@@ -58,12 +59,15 @@ def main() -> None:
     for t in threads:
         t.start()
     batch = producer.send_batch_in_transaction(
-        [Message(topic="ORDER", body=b"batch", keys=f"b{i}") for i in range(BATCH)])
+        [Message(topic="ORDER", body=b"batch", keys=f"b{i}") for i in range(BATCH)]
+    )
     for t in threads:
         t.join()
     sent.extend([tx, off] for tx, off in zip(batch.transaction_ids, batch.half_offsets))
-    print(json.dumps({"sent": sent, "failures": failures, "committers": broker.committers}),
-          flush=True)
+    print(
+        json.dumps({"sent": sent, "failures": failures, "committers": broker.committers}),
+        flush=True,
+    )
     producer.close()
     broker.close()
 

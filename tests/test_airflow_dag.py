@@ -1,4 +1,5 @@
 """The example Airflow DAG imports without Airflow and builds the right command."""
+
 from __future__ import annotations
 
 import ast
@@ -55,8 +56,9 @@ def test_operator_kwargs(dag_module, tmp_path):
 
 def test_operator_kwargs_keep_absolute_conf_and_extra_args(dag_module, tmp_path):
     conf = tmp_path / "elsewhere.toml"
-    kw = dag_module.operator_kwargs(repo=tmp_path, conf_file=str(conf),
-                                    extra_args=["--warehouse", "s3a://bucket/wh"])
+    kw = dag_module.operator_kwargs(
+        repo=tmp_path, conf_file=str(conf), extra_args=["--warehouse", "s3a://bucket/wh"]
+    )
     assert kw["application_args"] == ["run", "--conf", str(conf), "--warehouse", "s3a://bucket/wh"]
 
 
@@ -73,12 +75,13 @@ def test_spark_submit_command(dag_module, tmp_path):
     joined = shlex.join(cmd)
     assert f"--packages {DELTA_JAR}" in joined
     assert "--conf spark.sql.extensions=io.delta.sql.DeltaSparkSessionExtension" in joined
-    assert ("--conf spark.sql.catalog.spark_catalog="
-            "org.apache.spark.sql.delta.catalog.DeltaCatalog") in joined
+    assert (
+        "--conf spark.sql.catalog.spark_catalog=org.apache.spark.sql.delta.catalog.DeltaCatalog"
+    ) in joined
     assert f"--py-files {tmp_path / 'dist' / 'txn_pyfiles.zip'}" in joined
     # spark-submit treats everything after the application as the job's own arguments.
     app = cmd.index(str(tmp_path / "jobs" / "reconcile.py"))
-    assert cmd[app + 1:] == ["run", "--conf", str(tmp_path / "conf" / "reconcile.toml")]
+    assert cmd[app + 1 :] == ["run", "--conf", str(tmp_path / "conf" / "reconcile.toml")]
     assert all(opt not in cmd[app:] for opt in ("--packages", "--py-files", "--master"))
 
 
@@ -94,8 +97,11 @@ def test_schedule_retries_and_lease_exit(dag_module):
 def test_fallback_jar_matches_session():
     """The literal used when `jobs` is not importable must not drift from session.py."""
     tree = ast.parse(DAG_FILE.read_text())
-    fallbacks = [node.value.value for node in ast.walk(tree)
-                 if isinstance(node, ast.Assign)
-                 and any(isinstance(t, ast.Name) and t.id == "DELTA_JAR" for t in node.targets)
-                 and isinstance(node.value, ast.Constant)]
+    fallbacks = [
+        node.value.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "DELTA_JAR" for t in node.targets)
+        and isinstance(node.value, ast.Constant)
+    ]
     assert fallbacks == [DELTA_JAR]

@@ -1,6 +1,7 @@
 """Reading Delta tables as parquet (jobs.appends): a producer table's new rows
 are exactly the change data feed's inserts, a state table read whole is its
 snapshot at the pinned version, and anything else falls back to Delta."""
+
 from __future__ import annotations
 
 import pyarrow as pa
@@ -40,8 +41,10 @@ def test_appends_and_a_compaction_are_read_as_parquet_like_the_change_feed(spark
     assert inputs.added_rows(spark, path, HALF, 3, 4).count() == 0
     _same_as_change_feed(spark, path, 0, upto)
     _same_as_change_feed(spark, path, 2, upto)
-    by_offset = {r.half_offset: r.commit_version
-                 for r in inputs.added_rows(spark, path, HALF, 0, upto).collect()}
+    by_offset = {
+        r.half_offset: r.commit_version
+        for r in inputs.added_rows(spark, path, HALF, 0, upto).collect()
+    }
     assert by_offset == {0: 1, 1: 1, 2: 2, 3: 2, 4: 3, 5: 3, 6: 5}
 
 
@@ -54,8 +57,9 @@ def test_a_delete_in_the_range_falls_back_to_the_change_feed(spark, warehouse):
     assert '"cdc"' in open(appends.log_entry(path, 2)).read()
     assert appends.appended_files(path, 0, upto) is None
     _same_as_change_feed(spark, path, 0, upto)
-    assert sorted(r.half_offset for r in inputs.added_rows(spark, path, HALF, 0, upto)
-                  .collect()) == [1, 2, 3]  # the rewrite inserts nothing
+    assert sorted(
+        r.half_offset for r in inputs.added_rows(spark, path, HALF, 0, upto).collect()
+    ) == [1, 2, 3]  # the rewrite inserts nothing
 
 
 def test_only_rows_from_the_change_feed_are_handed_to_keep_slow(spark, warehouse):
@@ -66,6 +70,7 @@ def test_only_rows_from_the_change_feed_are_handed_to_keep_slow(spark, warehouse
     def keep(df):
         kept.append(df)
         return df
+
     inputs.added_rows(spark, path, HALF, 0, 1, keep_slow=keep)  # a plain append: parquet
     assert kept == []
     DeltaTable(path).delete("half_offset = 1")
@@ -84,22 +89,36 @@ def test_tables_it_cannot_read_as_written_are_left_to_the_change_feed(warehouse)
 
 
 def _pending(*offsets: int):
-    return [{**fx.half(o, store_ms=o), "checks_sent": 0, "checks_undecided": 0,
-             "last_check_ms": None, "run_number": 1} for o in offsets]
+    return [
+        {
+            **fx.half(o, store_ms=o),
+            "checks_sent": 0,
+            "checks_undecided": 0,
+            "last_check_ms": None,
+            "run_number": 1,
+        }
+        for o in offsets
+    ]
 
 
 def _write_pending(spark, path: str, rows: list[dict]) -> None:
-    (spark.createDataFrame(rows, spark_schema(PENDING)).write.format("delta")
-     .mode("overwrite").save(path))
+    (
+        spark.createDataFrame(rows, spark_schema(PENDING))
+        .write.format("delta")
+        .mode("overwrite")
+        .save(path)
+    )
 
 
 def _read_whole(spark, warehouse: str, version: int):
-    return inputs.read_state(spark, warehouse, {inputs.state_version_key(PENDING): version},
-                            PENDING)
+    return inputs.read_state(
+        spark, warehouse, {inputs.state_version_key(PENDING): version}, PENDING
+    )
 
 
-def test_a_state_table_read_whole_is_its_snapshot_at_the_pinned_version(spark, warehouse,
-                                                                        monkeypatch):
+def test_a_state_table_read_whole_is_its_snapshot_at_the_pinned_version(
+    spark, warehouse, monkeypatch
+):
     job_tables.ensure_job_tables(warehouse)
     path = table_path(warehouse, PENDING)
     _write_pending(spark, path, _pending(1, 2))
@@ -120,11 +139,11 @@ def test_a_state_table_read_whole_is_its_snapshot_at_the_pinned_version(spark, w
 def test_a_state_table_with_deletion_vectors_is_read_by_delta(spark, warehouse):
     job_tables.ensure_job_tables(warehouse)
     path = table_path(warehouse, PENDING)
-    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES "
-              "('delta.enableDeletionVectors' = 'true')")
+    spark.sql(
+        f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('delta.enableDeletionVectors' = 'true')"
+    )
     _write_pending(spark, path, _pending(1, 2, 3))
     spark.sql(f"DELETE FROM delta.`{path}` WHERE half_offset = 2")  # a deletion vector
     version = DeltaTable(path).version()
     assert appends.snapshot_files(path, version) is None  # its files hold a deleted row
-    assert sorted(r.half_offset for r in _read_whole(spark, warehouse, version).collect()) \
-        == [1, 3]
+    assert sorted(r.half_offset for r in _read_whole(spark, warehouse, version).collect()) == [1, 3]

@@ -1,6 +1,7 @@
 """Blind appends without delta-rs' commit path (txn_core.blind_append): the
 table they leave must be the one delta-rs would have left, shareable with
 delta-rs writers and other appenders."""
+
 from __future__ import annotations
 
 import json
@@ -23,16 +24,25 @@ from txn_core.tables import open_or_create
 
 def half_rows(offsets: list[int]) -> pa.Table:
     n = len(offsets)
-    return to_arrow(arrow_schema(HALF), {
-        "half_offset": offsets, "transaction_id": [f"TX{o:030d}" for o in offsets],
-        "msg_id": [f"M{o}" for o in offsets], "producer_group": ["orders"] * n,
-        "topic": ["ORDER", "PAYMENT\u00e9"] * (n // 2) + ["ORDER"] * (n % 2),
-        "queue_id": [o % 4 for o in offsets], "tags": [None] * n,
-        "keys": [None if o % 3 else f"k{o}" for o in offsets],
-        "body": [bytes([o % 256]) * 100 for o in offsets],
-        "properties": [[("a", str(o))] if o % 2 else [] for o in offsets],
-        "born_ms": [1_000 + o for o in offsets], "check_immunity_s": [None] * n},
-        "store_ms", STORE_MS)
+    return to_arrow(
+        arrow_schema(HALF),
+        {
+            "half_offset": offsets,
+            "transaction_id": [f"TX{o:030d}" for o in offsets],
+            "msg_id": [f"M{o}" for o in offsets],
+            "producer_group": ["orders"] * n,
+            "topic": ["ORDER", "PAYMENT\u00e9"] * (n // 2) + ["ORDER"] * (n % 2),
+            "queue_id": [o % 4 for o in offsets],
+            "tags": [None] * n,
+            "keys": [None if o % 3 else f"k{o}" for o in offsets],
+            "body": [bytes([o % 256]) * 100 for o in offsets],
+            "properties": [[("a", str(o))] if o % 2 else [] for o in offsets],
+            "born_ms": [1_000 + o for o in offsets],
+            "check_immunity_s": [None] * n,
+        },
+        "store_ms",
+        STORE_MS,
+    )
 
 
 def add_actions(path: str) -> list[dict]:
@@ -54,16 +64,19 @@ def test_an_append_reads_back_as_if_delta_rs_had_written_it(tmp_path):
 
     ours, theirs = DeltaTable(ours.table_uri), DeltaTable(theirs.table_uri)
     assert ours.version() == theirs.version() == 1
-    assert ours.to_pyarrow_table().sort_by("half_offset").equals(
-        theirs.to_pyarrow_table().sort_by("half_offset"))
+    assert (
+        ours.to_pyarrow_table()
+        .sort_by("half_offset")
+        .equals(theirs.to_pyarrow_table().sort_by("half_offset"))
+    )
     # the same statistics: delta-rs' own readers skip files by them
     [mine], [its] = add_actions(ours.table_uri[7:]), add_actions(theirs.table_uri[7:])
     assert json.loads(mine["stats"]) == json.loads(its["stats"])
     assert mine["dataChange"] is True and mine["size"] == os.path.getsize(
-        os.path.join(ours.table_uri[7:], mine["path"]))
+        os.path.join(ours.table_uri[7:], mine["path"])
+    )
     # a filtered read by a column without numeric stats finds the row
-    found = ours.to_pyarrow_dataset().to_table(
-        filter=pc.field("transaction_id") == f"TX{3:030d}")
+    found = ours.to_pyarrow_dataset().to_table(filter=pc.field("transaction_id") == f"TX{3:030d}")
     assert found["half_offset"].to_pylist() == [3]
     feed = pa.table(ours.load_cdf(starting_version=1)).to_pylist()
     assert {(r["_change_type"], r["_commit_version"]) for r in feed} == {("insert", 1)}
@@ -87,14 +100,16 @@ def test_appenders_and_delta_rs_writers_share_a_table(warehouse):
         for o in offsets:
             mine.append(rows(o))
 
-    threads = [threading.Thread(target=send, args=(range(10 + 10 * t, 20 + 10 * t),))
-               for t in range(4)]
+    threads = [
+        threading.Thread(target=send, args=(range(10 + 10 * t, 20 + 10 * t),)) for t in range(4)
+    ]
     [t.start() for t in threads]
     [t.join() for t in threads]
     final = DeltaTable(path)
     assert final.version() == 45  # no version lost, none taken twice
-    assert sorted(final.to_pyarrow_table()["op_offset"].to_pylist()) == \
-        [0, 1, 2, 3, 4] + list(range(10, 50))
+    assert sorted(final.to_pyarrow_table()["op_offset"].to_pylist()) == [0, 1, 2, 3, 4] + list(
+        range(10, 50)
+    )
     assert not [n for n in os.listdir(os.path.join(path, "_delta_log")) if n.endswith(".tmp")]
 
 
@@ -104,8 +119,8 @@ def test_nulls_in_a_not_null_column_are_refused_and_nothing_is_written(warehouse
     columns = op_rows([1, 2])
     columns["transaction_id"] = ["tx-1", None]
     rows = pa.Table.from_arrays(
-        [pa.array(columns.get(f.name, [STORE_MS] * 2), type=f.type) for f in schema],
-        schema=schema)
+        [pa.array(columns.get(f.name, [STORE_MS] * 2), type=f.type) for f in schema], schema=schema
+    )
     before = sorted(os.listdir(table_path(warehouse, OP)))
     with pytest.raises(ValueError, match=r"NOT NULL column\(s\) \['transaction_id'\]"):
         BlindAppender(table, schema).append(rows)
@@ -118,8 +133,7 @@ def test_a_protocol_or_metadata_change_stops_the_appender_and_delta_rs_takes_ove
     path, schema = table_path(warehouse, OP), arrow_schema(OP)
     stale = BlindAppender(table, schema)
     assert stale.append(to_arrow(schema, op_rows([1]), "store_ms", STORE_MS)) == 1
-    writer = GroupCommitWriter(DeltaTable(path), schema, name=OP.path,
-                               clock=lambda: STORE_MS)
+    writer = GroupCommitWriter(DeltaTable(path), schema, name=OP.path, clock=lambda: STORE_MS)
     DeltaTable(path).alter.add_constraint({"positive_offset": "op_offset > 0"})  # version 2
     files = set(os.listdir(path))
     with pytest.raises(TableChanged, match="delta.constraints.positive_offset"):
@@ -137,8 +151,9 @@ def test_a_protocol_or_metadata_change_stops_the_appender_and_delta_rs_takes_ove
 def test_tables_it_cannot_write_are_named_with_the_reason(tmp_path):
     schema = arrow_schema(OP)
     partitioned = str(tmp_path / "partitioned")
-    write_deltalake(partitioned, to_arrow(schema, op_rows([1]), "store_ms", STORE_MS),
-                    partition_by=["action"])
+    write_deltalake(
+        partitioned, to_arrow(schema, op_rows([1]), "store_ms", STORE_MS), partition_by=["action"]
+    )
     assert "partitioned by ['action']" in unsupported_reason(DeltaTable(partitioned), schema)
     with pytest.raises(ValueError, match="cannot append to .*partitioned"):
         BlindAppender(DeltaTable(partitioned), schema)
@@ -149,9 +164,11 @@ def test_tables_it_cannot_write_are_named_with_the_reason(tmp_path):
 
 # --- on S3 (MinIO on loopback) ---------------------------------------------------------
 
+
 def _s3_table(s3, schema_of=OP):
     from txn_core.config import load_config
     from txn_core.storage import Storage, use
+
     storage = use(Storage.from_config(load_config(env={}, **s3.config())))
     table = open_or_create(storage.warehouse, schema_of, storage_options=storage.delta_rs_options())
     return table, storage.delta_rs_options()
@@ -179,17 +196,24 @@ def test_on_s3_appenders_and_delta_rs_writers_share_a_table(s3):
         for o in offsets:
             mine.append(rows(o))
 
-    threads = [threading.Thread(target=send, args=(range(10 + 5 * t, 15 + 5 * t),))
-               for t in range(3)]
+    threads = [
+        threading.Thread(target=send, args=(range(10 + 5 * t, 15 + 5 * t),)) for t in range(3)
+    ]
     [t.start() for t in threads]
     [t.join() for t in threads]
     final = handle()
     assert final.version() == 20  # no version lost, none taken twice
-    assert sorted(final.to_pyarrow_table()["op_offset"].to_pylist()) == \
-        [0, 1, 2, 3, 4] + list(range(10, 25))
+    assert sorted(final.to_pyarrow_table()["op_offset"].to_pylist()) == [0, 1, 2, 3, 4] + list(
+        range(10, 25)
+    )
     feed = pa.table(final.load_cdf(starting_version=1)).to_pylist()
-    assert sorted(r["op_offset"] for r in feed if r["_change_type"] == "insert") == \
-        [0, 1, 2, 3, 4] + list(range(10, 25))
+    assert sorted(r["op_offset"] for r in feed if r["_change_type"] == "insert") == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ] + list(range(10, 25))
 
 
 def test_on_s3_a_put_whose_answer_was_lost_is_recognised_as_ours(s3, monkeypatch):
@@ -215,14 +239,14 @@ def test_on_s3_an_appender_idle_past_a_cleaned_log_moves_past_its_checkpoint(s3,
     """A handle left at an old version while others committed, checkpointed
     and cleaned the log would otherwise put a version that had existed."""
     import txn_core.blind_append as blind_append
+
     table, options = _s3_table(s3)
     schema = arrow_schema(OP)
     stale = BlindAppender(table, schema)  # knows version 0
 
     other = DeltaTable(table.table_uri, storage_options=options)
     for o in range(1, 4):
-        write_deltalake(other, to_arrow(schema, op_rows([o]), "store_ms", STORE_MS),
-                        mode="append")
+        write_deltalake(other, to_arrow(schema, op_rows([o]), "store_ms", STORE_MS), mode="append")
     other.create_checkpoint()  # at version 3
     store = stale._store
     for version in (0, 1, 2):  # what a log clean-up past the retention would do
@@ -237,10 +261,13 @@ def test_other_stores_and_unopened_warehouses_fall_back_to_delta_rs(s3, tmp_path
     table, options = _s3_table(s3)
     schema = arrow_schema(OP)
     other_settings = {**options, "AWS_REGION": "eu-west-1"}
-    assert unsupported_reason(table, schema, other_settings) == \
-        "its storage options are not its warehouse's settings"
+    assert (
+        unsupported_reason(table, schema, other_settings)
+        == "its storage options are not its warehouse's settings"
+    )
     unopened = DeltaTable(table.table_uri, storage_options=options)
     from txn_core import storage
+
     saved = dict(storage._registered)
     storage._registered.clear()
     try:

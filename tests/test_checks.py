@@ -1,4 +1,5 @@
 """Producers answer back-checks: own group only, once per request, across restarts."""
+
 import multiprocessing
 import threading
 
@@ -44,15 +45,28 @@ def request_rows(warehouse, sends, group, run_id="run-1", check_times=1):
     table = open_or_create(warehouse, CHECK_REQUESTS)
     rows = []
     for result, msg in sends:
-        rows.append({
-            "request_id": f"{run_id}-{result.half_offset}", "run_id": run_id,
-            "half_offset": result.half_offset, "transaction_id": result.transaction_id,
-            "msg_id": result.msg_id, "producer_group": group, "topic": msg.topic,
-            "queue_id": msg.queue_id, "tags": msg.tags, "keys": msg.keys, "body": msg.body,
-            "properties": list((msg.properties or {}).items()), "born_ms": 1,
-            "check_times": check_times, "requested_ms": 2})
-    write_deltalake(table, pa.Table.from_pylist(rows, schema=arrow_schema(CHECK_REQUESTS)),
-                    mode="append")
+        rows.append(
+            {
+                "request_id": f"{run_id}-{result.half_offset}",
+                "run_id": run_id,
+                "half_offset": result.half_offset,
+                "transaction_id": result.transaction_id,
+                "msg_id": result.msg_id,
+                "producer_group": group,
+                "topic": msg.topic,
+                "queue_id": msg.queue_id,
+                "tags": msg.tags,
+                "keys": msg.keys,
+                "body": msg.body,
+                "properties": list((msg.properties or {}).items()),
+                "born_ms": 1,
+                "check_times": check_times,
+                "requested_ms": 2,
+            }
+        )
+    write_deltalake(
+        table, pa.Table.from_pylist(rows, schema=arrow_schema(CHECK_REQUESTS)), mode="append"
+    )
     return [r["request_id"] for r in rows]
 
 
@@ -63,8 +77,9 @@ def table_rows(warehouse, path):
 def send_unknown(producer, keys):
     out = []
     for key in keys:
-        msg = Message(topic="ORDER", body=f"body-{key}".encode(), keys=key, tags="t",
-                      properties={"p": key})
+        msg = Message(
+            topic="ORDER", body=f"body-{key}".encode(), keys=key, tags="t", properties={"p": key}
+        )
         out.append((producer.send_message_in_transaction(msg), msg))
     return out
 
@@ -87,17 +102,27 @@ def test_answers_own_group_with_original_message_and_records_every_answer(wareho
     seen = {m.keys: m for m in listener.checked}
     assert set(seen) == {"c", "r", "u", "e"}  # never the other group's request
     original = sends[0][0]
-    assert (seen["c"].transaction_id, seen["c"].body, seen["c"].tags, seen["c"].topic,
-            dict(seen["c"].properties)) == (original.transaction_id, b"body-c", "t", "ORDER",
-                                            {"p": "c"})
+    assert (
+        seen["c"].transaction_id,
+        seen["c"].body,
+        seen["c"].tags,
+        seen["c"].topic,
+        dict(seen["c"].properties),
+    ) == (original.transaction_id, b"body-c", "t", "ORDER", {"p": "c"})
     answers = {a["transaction_id"]: a for a in table_rows(warehouse, "_sys/check_answers")}
     by_key = {msg.keys: answers[res.transaction_id] for res, msg in sends}
     assert {k: a["answer"] for k, a in by_key.items()} == {
-        "c": "COMMIT", "r": "ROLLBACK", "u": "UNKNOWN", "e": "ERROR"}
+        "c": "COMMIT",
+        "r": "ROLLBACK",
+        "u": "UNKNOWN",
+        "e": "ERROR",
+    }
     assert "RuntimeError: db" in by_key["e"]["error"]
     ops = table_rows(warehouse, "_sys/op")
-    assert sorted((o["action"], o["source"]) for o in ops) == [("COMMIT", "CHECK"),
-                                                               ("ROLLBACK", "CHECK")]
+    assert sorted((o["action"], o["source"]) for o in ops) == [
+        ("COMMIT", "CHECK"),
+        ("ROLLBACK", "CHECK"),
+    ]
 
 
 def test_new_requests_after_the_first_poll_are_read_incrementally(warehouse):
@@ -123,8 +148,7 @@ def test_a_restarted_producer_does_not_answer_again(warehouse):
 
 def _answer_in_process(warehouse, start, out):
     with Broker.open(warehouse) as broker:
-        producer = TransactionProducer(broker, "g", Answers({f"k{i}": COMMIT
-                                                             for i in range(20)}))
+        producer = TransactionProducer(broker, "g", Answers({f"k{i}": COMMIT for i in range(20)}))
         start.wait()
         out.put(producer.answer_checks())
 
@@ -135,8 +159,7 @@ def test_two_processes_of_one_group_answer_each_request_once(warehouse):
         ids = request_rows(warehouse, send_unknown(producer, [f"k{i}" for i in range(20)]), "g")
     ctx = multiprocessing.get_context("spawn")
     start, out = ctx.Barrier(2), ctx.Queue()
-    procs = [ctx.Process(target=_answer_in_process, args=(warehouse, start, out))
-             for _ in range(2)]
+    procs = [ctx.Process(target=_answer_in_process, args=(warehouse, start, out)) for _ in range(2)]
     [p.start() for p in procs]
     counts = [out.get(timeout=120) for _ in procs]
     [p.join(timeout=60) for p in procs]

@@ -4,6 +4,7 @@ A master and one worker are started on loopback from pyspark's own
 `spark-class`, the reconciliation is submitted to them through
 `scripts/submit.sh`, and exactly the processes started here are stopped.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -27,8 +28,9 @@ import factories as f
 pytestmark = pytest.mark.spark  # a Spark cluster of its own
 
 REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("build_pyfiles",
-                                               REPO / "scripts" / "build_pyfiles.py")
+_spec = importlib.util.spec_from_file_location(
+    "build_pyfiles", REPO / "scripts" / "build_pyfiles.py"
+)
 build_pyfiles = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(build_pyfiles)
 
@@ -95,30 +97,57 @@ class Cluster:
     def url(self) -> str:
         return f"spark://127.0.0.1:{self.master_port}"
 
-    def _spawn(self, name: str, args: list[str], marker: bytes | None = None) -> "LogWatch":
+    def _spawn(self, name: str, args: list[str], marker: bytes | None = None) -> LogWatch:
         # A session of its own: stopping its process group reaches exactly the
         # JVM spark-class execs (and the executors it forks), nothing else.
-        proc = subprocess.Popen([str(_spark_bin() / "spark-class"), *args],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env,
-                                start_new_session=True, cwd=self.root)
+        proc = subprocess.Popen(
+            [str(_spark_bin() / "spark-class"), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+            cwd=self.root,
+        )
         self.procs.append(proc)
         return LogWatch(proc, self.root / f"{name}.log", marker)
 
     def start(self) -> None:
-        self._spawn("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                               "--port", str(self.master_port),
-                               "--webui-port", str(self.master_ui)])
+        self._spawn(
+            "master",
+            [
+                "org.apache.spark.deploy.master.Master",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.master_port),
+                "--webui-port",
+                str(self.master_ui),
+            ],
+        )
         self._worker_log = self._spawn(
-            "worker", ["org.apache.spark.deploy.worker.Worker", self.url,
-                       "--host", "127.0.0.1", "--port", str(self.worker_port),
-                       "--webui-port", str(self.worker_ui), "--cores", "1",
-                       "--memory", "1g", "--work-dir", str(self.work_dir)],
-            marker=WORKER_REGISTERED)
+            "worker",
+            [
+                "org.apache.spark.deploy.worker.Worker",
+                self.url,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.worker_port),
+                "--webui-port",
+                str(self.worker_ui),
+                "--cores",
+                "1",
+                "--memory",
+                "1g",
+                "--work-dir",
+                str(self.work_dir),
+            ],
+            marker=WORKER_REGISTERED,
+        )
 
     def state(self) -> dict:
         """The master's status (its JSON page)."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.master_ui}/json/",
-                                    timeout=10) as resp:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.master_ui}/json/", timeout=10) as resp:
             return json.load(resp)
 
     def wait_for_worker(self) -> dict:
@@ -127,14 +156,15 @@ class Cluster:
         then: it registers workers only once it has started, UI included.)"""
         watch = self._worker_log
         if not watch.seen.wait(STARTUP_TIMEOUT_S):
-            raise AssertionError(f"no worker registered within {STARTUP_TIMEOUT_S}s\n"
-                                 f"{self.logs()}")
+            raise AssertionError(f"no worker registered within {STARTUP_TIMEOUT_S}s\n{self.logs()}")
         assert watch.found, f"the worker stopped before registering:\n{self.logs()}"
         return self.state()
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                         for p in sorted(self.root.glob("*.log")))
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+            for p in sorted(self.root.glob("*.log"))
+        )
 
     def stop(self) -> None:
         """SIGTERM each started process group, SIGKILL what is left at the deadline."""
@@ -220,7 +250,7 @@ def _group_members(pgid: int) -> list[int]:
         except OSError:
             continue
         # Fields after the parenthesised command name: state, ppid, pgrp, ...
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         if int(fields[2]) == pgid and fields[0] != "Z":
             members.append(int(entry.name))
     return members
@@ -229,28 +259,41 @@ def _group_members(pgid: int) -> list[int]:
 def _run_in_own_group(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     """Run `cmd` in a process group of its own; on timeout kill the whole group,
     so the Python driver spark-submit forked does not outlive the test."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, **kwargs)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **kwargs,
+    )
     try:
         out, err = proc.communicate(timeout=SUBMIT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         _signal_group(proc.pid, signal.SIGKILL)
         out, err = proc.communicate(timeout=STOP_TIMEOUT_S)
-        raise AssertionError(f"spark-submit did not finish in {SUBMIT_TIMEOUT_S}s:\n"
-                             f"{err[-4000:]}") from None
+        raise AssertionError(
+            f"spark-submit did not finish in {SUBMIT_TIMEOUT_S}s:\n{err[-4000:]}"
+        ) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _write_warehouse(warehouse: str) -> dict:
     """Three commits, a rollback and a pending message, written as producers do."""
     store = 1_000_000
-    halves = [f.half(100 + i, store_ms=store, queue_id=i % 2, body=bytes([i, 0, 255]) * 3)
-              for i in range(5)]
+    halves = [
+        f.half(100 + i, store_ms=store, queue_id=i % 2, body=bytes([i, 0, 255]) * 3)
+        for i in range(5)
+    ]
     f.write_halves(warehouse, *halves[:3])
     f.write_halves(warehouse, *halves[3:])
-    f.write_ops(warehouse, *[f.op(halves[i], action, op_offset=500 + i)
-                             for i, action in enumerate(["COMMIT", "COMMIT", "ROLLBACK",
-                                                         "COMMIT"])])
+    f.write_ops(
+        warehouse,
+        *[
+            f.op(halves[i], action, op_offset=500 + i)
+            for i, action in enumerate(["COMMIT", "COMMIT", "ROLLBACK", "COMMIT"])
+        ],
+    )
     return {"store_ms": store}
 
 
@@ -267,8 +310,14 @@ def test_reconcile_on_standalone_cluster(tmp_path, store, request):
     if store == "s3":  # the executors reach the bucket with the driver's settings
         settings = request.getfixturevalue("s3").config()
         warehouse = use(Storage.from_config(load_config(env={}, **settings))).warehouse
-        store_flags = ["--s3-endpoint", settings["s3_endpoint"], "--s3-path-style", "true",
-                       "--s3-allow-http", "true"]
+        store_flags = [
+            "--s3-endpoint",
+            settings["s3_endpoint"],
+            "--s3-path-style",
+            "true",
+            "--s3-allow-http",
+            "true",
+        ]
     else:
         warehouse = str(tmp_path / "warehouse")
     expected = _write_warehouse(warehouse)
@@ -282,8 +331,18 @@ def test_reconcile_on_standalone_cluster(tmp_path, store, request):
         env = dict(cluster.env, TXN_SPARK_MASTER=cluster.url)
         now_ms = expected["store_ms"] + 1_000  # inside immunity: the pending one is not checked
         done = _run_in_own_group(
-            [str(REPO / "scripts" / "submit.sh"), "run", "--warehouse", warehouse,
-             *store_flags, "--now-ms", str(now_ms)], cwd=tmp_path, env=env)
+            [
+                str(REPO / "scripts" / "submit.sh"),
+                "run",
+                "--warehouse",
+                warehouse,
+                *store_flags,
+                "--now-ms",
+                str(now_ms),
+            ],
+            cwd=tmp_path,
+            env=env,
+        )
         assert done.returncode == 0, f"{done.stderr[-4000:]}\n{cluster.logs()}"
         summary_lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         assert len(summary_lines) == 1, done.stdout
@@ -294,8 +353,9 @@ def test_reconcile_on_standalone_cluster(tmp_path, store, request):
         assert summary["delivered_by_topic"] == {"ORDER": 3}
 
         topic = topic_path(warehouse, "ORDER")
-        delivered = DeltaTable(topic, storage_options=options_for(topic)).to_pyarrow_table() \
-            .to_pylist()
+        delivered = (
+            DeltaTable(topic, storage_options=options_for(topic)).to_pyarrow_table().to_pylist()
+        )
         assert sorted(r["transaction_id"] for r in delivered) == ["tx-100", "tx-101", "tx-103"]
         for row in delivered:
             i = row["half_offset"] - 100

@@ -2,6 +2,7 @@
 the table reads the same through Delta (rows, change feed, statistics), the
 commit is tagged with its run, NOT NULL holds, and where the commit would not
 be Delta's own the write falls back to Delta's writer."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,25 @@ def _topic_table(spark, warehouse) -> str:
 
 
 def _topic_rows(spark, offsets, queue_id=0, msg_id="m"):
-    rows = [(queue_id, o, f"{msg_id}{o}", f"t{o}", 1000 + o, "pg", None, None, b"body",
-             None, 1, 2, 3, "run-1") for o in offsets]
+    rows = [
+        (
+            queue_id,
+            o,
+            f"{msg_id}{o}",
+            f"t{o}",
+            1000 + o,
+            "pg",
+            None,
+            None,
+            b"body",
+            None,
+            1,
+            2,
+            3,
+            "run-1",
+        )
+        for o in offsets
+    ]
     return spark.createDataFrame(rows, spark_schema(TOPIC))
 
 
@@ -43,9 +61,12 @@ def test_an_append_reads_as_delta_with_the_statistics_delta_keeps(spark, warehou
     assert len(adds) == 1 and "/" not in adds[0]["path"]  # in the table's directory
     stats = json.loads(adds[0]["stats"])
     # a topic table keeps statistics on its first two columns only (job_tables.STATS_COLUMNS)
-    assert stats == {"numRecords": 10, "minValues": {"queue_id": 0, "queue_offset": 10},
-                     "maxValues": {"queue_id": 0, "queue_offset": 19},
-                     "nullCount": {"queue_id": 0, "queue_offset": 0}}
+    assert stats == {
+        "numRecords": 10,
+        "minValues": {"queue_id": 0, "queue_offset": 10},
+        "maxValues": {"queue_id": 0, "queue_offset": 19},
+        "nullCount": {"queue_id": 0, "queue_offset": 0},
+    }
     assert not [n for n in os.listdir(path) if n.startswith(commits.STAGING_PREFIX)]
     assert tagged_writes.committed_by_run(path, 7, "topics/ORDER")
     # the statistics skip files: a seek past the last offset reads no file
@@ -59,10 +80,17 @@ def test_an_overwrite_replaces_the_rows_and_the_change_feed_shows_both(spark, wa
     tagged_writes.write_for_run(_topic_rows(spark, [1, 2]), path, 1, "topics/ORDER")
     tagged_writes.write_for_run(_topic_rows(spark, [3]), path, 2, "topics/ORDER", mode="overwrite")
     assert [r.queue_offset for r in spark.read.format("delta").load(path).collect()] == [3]
-    changes = (spark.read.format("delta").option("readChangeFeed", "true")
-               .option("startingVersion", 2).load(path))
+    changes = (
+        spark.read.format("delta")
+        .option("readChangeFeed", "true")
+        .option("startingVersion", 2)
+        .load(path)
+    )
     assert sorted((r._change_type, r.queue_offset) for r in changes.collect()) == [
-        ("delete", 1), ("delete", 2), ("insert", 3)]
+        ("delete", 1),
+        ("delete", 2),
+        ("insert", 3),
+    ]
     # an overwrite with no rows empties the table
     tagged_writes.write_for_run(_topic_rows(spark, []), path, 3, "topics/ORDER", mode="overwrite")
     assert spark.read.format("delta").load(path).count() == 0
@@ -73,7 +101,8 @@ def test_a_null_in_a_not_null_column_fails_and_commits_nothing(spark, warehouse)
     path = _topic_table(spark, warehouse)
     before = DeltaTable(path).version()
     bad = _topic_rows(spark, [1]).selectExpr(
-        *[f"CAST(NULL AS string) AS {c}" if c == "msg_id" else c for c in TOPIC.names])
+        *[f"CAST(NULL AS string) AS {c}" if c == "msg_id" else c for c in TOPIC.names]
+    )
     with pytest.raises(Exception, match="NOT NULL constraint violated for column msg_id"):
         tagged_writes.write_for_run(bad, path, 1, "topics/ORDER")
     assert DeltaTable(path).version() == before
@@ -92,7 +121,9 @@ def test_other_columns_or_a_check_constraint_go_to_deltas_writer(spark, warehous
     with pytest.raises(Exception, match="positive"):  # Delta's writer enforces it
         tagged_writes.write_for_run(_topic_rows(spark, [-1]), path, 1, "topics/ORDER")
     tagged_writes.write_for_run(_topic_rows(spark, [5]), path, 2, "topics/ORDER")
-    assert DeltaTable(path).history(1)[0]["userMetadata"] == tagged_writes.run_tag(2, "topics/ORDER")
+    assert DeltaTable(path).history(1)[0]["userMetadata"] == tagged_writes.run_tag(
+        2, "topics/ORDER"
+    )
     assert [r.queue_offset for r in spark.read.format("delta").load(path).collect()] == [5]
 
 
@@ -105,7 +136,8 @@ def test_a_checkpoint_every_ten_commits_as_delta_writes_them(spark, warehouse):
     assert DeltaTable(path).version() == 10
     assert os.path.exists(os.path.join(path, "_delta_log", f"{10:020d}.checkpoint.parquet"))
     assert [tuple(r) for r in spark.read.format("delta").load(path).collect()] == [
-        ("ORDER", 0, 10, 10)]
+        ("ORDER", 0, 10, 10)
+    ]
 
 
 def test_file_statistics_of_strings_are_bounds():
@@ -113,38 +145,52 @@ def test_file_statistics_of_strings_are_bounds():
     import pyarrow.parquet as pq
 
     from txn_core.delta_log import file_stats
+
     table = pa.table({"k": pa.array(["b" * 40, "a", None]), "n": pa.array([3, 1, 2])})
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     metadata = pq.read_metadata(pa.BufferReader(sink.getvalue()))
     stats = file_stats(metadata, ["k", "n"], string_prefix=commits.STRING_PREFIX)
     # the min is a prefix of at most 32 characters; a max longer than that is left out
-    assert stats == {"numRecords": 3, "minValues": {"k": "a", "n": 1},
-                     "maxValues": {"n": 3}, "nullCount": {"k": 1, "n": 0}}
+    assert stats == {
+        "numRecords": 3,
+        "minValues": {"k": "a", "n": 1},
+        "maxValues": {"n": 3},
+        "nullCount": {"k": 1, "n": 0},
+    }
     # delta-rs keeps whole values, as the producers' blind appends do
     assert file_stats(metadata, ["k"])["maxValues"] == {"k": "b" * 40}
 
 
 def test_a_split_write_stages_each_tables_rows_in_one_job_and_commits_each(spark, warehouse):
     from pyspark.sql import functions as F
+
     paths = {t: job_tables.ensure_topic_table(warehouse, t) for t in ("ORDER", "PAY")}
-    rows = (_topic_rows(spark, [1, 2]).withColumn("topic", F.lit("ORDER"))
-            .unionByName(_topic_rows(spark, [7]).withColumn("topic", F.lit("PAY")))
-            .unionByName(_topic_rows(spark, [9]).withColumn("topic", F.lit("SHIP"))))
-    split = tagged_writes.split_commits(rows, "topic", tagged_writes.split_tables(rows, "topic", paths))
+    rows = (
+        _topic_rows(spark, [1, 2])
+        .withColumn("topic", F.lit("ORDER"))
+        .unionByName(_topic_rows(spark, [7]).withColumn("topic", F.lit("PAY")))
+        .unionByName(_topic_rows(spark, [9]).withColumn("topic", F.lit("SHIP")))
+    )
+    split = tagged_writes.split_commits(
+        rows, "topic", tagged_writes.split_tables(rows, "topic", paths)
+    )
     assert sorted(split) == ["ORDER", "PAY"]
     # staged, not committed: the files are in the tables' directories, unread
     assert all(DeltaTable(p).version() == 0 for p in paths.values())
     assert any(n.endswith(".parquet") for n in os.listdir(paths["PAY"]))
     split["ORDER"](tagged_writes.run_tag(3, "topics/ORDER"))
     split["PAY"](tagged_writes.run_tag(3, "topics/PAY"))
-    read = lambda t: sorted(r.queue_offset for r in spark.read.format("delta")  # noqa: E731
-                            .load(paths[t]).collect())
+
+    def read(t: str) -> list[int]:
+        return sorted(r.queue_offset for r in spark.read.format("delta").load(paths[t]).collect())
+
     assert (read("ORDER"), read("PAY")) == ([1, 2], [7])  # SHIP has no table here: not written
     assert json.loads(_last_adds(paths["PAY"])[0]["stats"])["minValues"]["queue_offset"] == 7
     assert tagged_writes.committed_by_run(paths["PAY"], 3, "topics/PAY")
-    assert not [n for t in paths.values() for n in os.listdir(t)
-                if n.startswith(commits.STAGING_PREFIX)]
+    assert not [
+        n for t in paths.values() for n in os.listdir(t) if n.startswith(commits.STAGING_PREFIX)
+    ]
     # a table Delta's writer must write makes the caller write one table at a time
     spark.sql(f"ALTER TABLE delta.`{paths['PAY']}` ADD CONSTRAINT c CHECK (queue_offset >= 0)")
     assert tagged_writes.split_tables(rows, "topic", paths) is None
@@ -152,13 +198,17 @@ def test_a_split_write_stages_each_tables_rows_in_one_job_and_commits_each(spark
 
 def test_distinct_columns_are_written_without_a_dictionary(spark, warehouse):
     import pyarrow.parquet as pq
+
     path = _topic_table(spark, warehouse)
-    assert tagged_writes.write_for_run(_topic_rows(spark, range(100)).coalesce(1), path, 7,
-                               "topics/ORDER")
+    assert tagged_writes.write_for_run(
+        _topic_rows(spark, range(100)).coalesce(1), path, 7, "topics/ORDER"
+    )
     (add,) = _last_adds(path)
     meta = pq.ParquetFile(os.path.join(path, add["path"])).metadata
-    chunks = {meta.row_group(0).column(i).path_in_schema: meta.row_group(0).column(i)
-              for i in range(meta.num_columns)}
+    chunks = {
+        meta.row_group(0).column(i).path_in_schema: meta.row_group(0).column(i)
+        for i in range(meta.num_columns)
+    }
     for name in ("queue_offset", "half_offset", "msg_id", "body"):
         assert not chunks[name].has_dictionary_page, name
     # the others keep parquet's default: a dictionary for repeated values

@@ -1,4 +1,5 @@
 """Configuration: flag > env > file > default, and refusal of bad values."""
+
 import os
 
 import pytest
@@ -14,44 +15,56 @@ def _toml(tmp_path, text):
 
 def test_defaults_match_spec():
     cfg = load_config(env={})
-    assert (cfg.warehouse, cfg.transaction_timeout_ms, cfg.check_max, cfg.check_interval_ms,
-            cfg.reserved_hours, cfg.max_checks_per_run, cfg.check_budget) == (
-        os.path.abspath("./warehouse"), 6000, 15, 30000, 72, 0, "answered")
+    assert (
+        cfg.warehouse,
+        cfg.transaction_timeout_ms,
+        cfg.check_max,
+        cfg.check_interval_ms,
+        cfg.reserved_hours,
+        cfg.max_checks_per_run,
+        cfg.check_budget,
+    ) == (os.path.abspath("./warehouse"), 6000, 15, 30000, 72, 0, "answered")
 
 
 def test_a_relative_warehouse_becomes_absolute_and_an_s3_uri_one_for_both_engines(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     assert load_config(env={}, warehouse="./wh/demo").warehouse == str(tmp_path / "wh" / "demo")
     assert load_config(env={}, warehouse="s3://bucket/wh").warehouse == "s3a://bucket/wh"
     assert load_config(env={}, warehouse="s3a://bucket/wh/").warehouse == "s3a://bucket/wh"
     assert load_config(env={}, warehouse="file:///data/wh").warehouse == "file:///data/wh"
-    assert load_config(env={}, warehouse="abfss://c@acct.dfs.core.windows.net/wh").warehouse \
+    assert (
+        load_config(env={}, warehouse="abfss://c@acct.dfs.core.windows.net/wh").warehouse
         == "abfss://c@acct.dfs.core.windows.net/wh"
+    )
 
 
 def test_precedence_flag_over_env_over_file(tmp_path):
     path = _toml(tmp_path, 'check_max = 3\ncheck_interval_ms = 10\nwarehouse = "/f"\n')
     env = {"TXN_CHECK_MAX": "4", "TXN_CHECK_INTERVAL_MS": "20"}
     cfg = load_config(path, env=env, check_max=5, warehouse=None)
-    assert cfg.check_max == 5            # flag
-    assert cfg.check_interval_ms == 20   # env beats file
-    assert cfg.warehouse == "/f"         # file beats default; a None flag is ignored
+    assert cfg.check_max == 5  # flag
+    assert cfg.check_interval_ms == 20  # env beats file
+    assert cfg.warehouse == "/f"  # file beats default; a None flag is ignored
 
 
 def test_repo_config_file_loads():
     assert load_config("conf/reconcile.toml", env={}) == Config()
 
 
-@pytest.mark.parametrize("text, words", [
-    ("check_maxx = 3\n", ["check_maxx", "unknown"]),
-    ('check_max = "3"\n', ["check_max", "str"]),
-    ("check_max = true\n", ["check_max", "bool"]),
-    ("check_max = -1\n", ["check_max", "out of range", "0 to 1000000"]),
-    ('check_budget = "always"\n', ["check_budget", "'answered' or 'sent'"]),
-    ("reserved_hours = 0\n", ["reserved_hours", "1 to 100000"]),
-    ("check_max = \n", ["not valid TOML"]),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("check_maxx = 3\n", ["check_maxx", "unknown"]),
+        ('check_max = "3"\n', ["check_max", "str"]),
+        ("check_max = true\n", ["check_max", "bool"]),
+        ("check_max = -1\n", ["check_max", "out of range", "0 to 1000000"]),
+        ('check_budget = "always"\n', ["check_budget", "'answered' or 'sent'"]),
+        ("reserved_hours = 0\n", ["reserved_hours", "1 to 100000"]),
+        ("check_max = \n", ["not valid TOML"]),
+    ],
+)
 def test_bad_file_values_name_the_key(tmp_path, text, words):
     with pytest.raises(ConfigError) as err:
         load_config(_toml(tmp_path, text), env={})

@@ -1,4 +1,5 @@
 """What the broker core writes through delta-rs, Spark + Delta reads the same."""
+
 from deltalake import DeltaTable
 
 from txn_core import (
@@ -20,23 +21,40 @@ class Commit(TransactionListener):
 
 # Writer features delta-rs 1.6 can write; anything else on a producer table would
 # lock the producers out (SPEC §2).
-DELTA_RS_WRITABLE = {"appendOnly", "invariants", "checkConstraints", "changeDataFeed",
-                     "generatedColumns", "timestampNtz", "deletionVectors"}
+DELTA_RS_WRITABLE = {
+    "appendOnly",
+    "invariants",
+    "checkConstraints",
+    "changeDataFeed",
+    "generatedColumns",
+    "timestampNtz",
+    "deletionVectors",
+}
 
 
 def _normalise(rows):
-    return sorted(({k: (dict(v) if k == "properties" and v is not None else v)
-                    for k, v in r.items()} for r in rows),
-                  key=lambda r: (r["half_offset"], r.get("op_offset", 0)))
+    return sorted(
+        (
+            {k: (dict(v) if k == "properties" and v is not None else v) for k, v in r.items()}
+            for r in rows
+        ),
+        key=lambda r: (r["half_offset"], r.get("op_offset", 0)),
+    )
 
 
 def test_spark_reads_the_producer_tables_identically(spark, warehouse):
     with Broker.open(warehouse) as broker:
         producer = TransactionProducer(broker, "g", Commit())
         for i in range(3):
-            producer.send_message_in_transaction(Message(
-                topic="ORDER", body=bytes([0, i, 255]), keys=f"k{i}",
-                properties={"a": str(i)}, check_immunity_s=i or None))
+            producer.send_message_in_transaction(
+                Message(
+                    topic="ORDER",
+                    body=bytes([0, i, 255]),
+                    keys=f"k{i}",
+                    properties={"a": str(i)},
+                    check_immunity_s=i or None,
+                )
+            )
     for path in ("_sys/half", "_sys/op"):
         uri = f"{warehouse}/{path}"
         by_rs = DeltaTable(uri).to_pyarrow_table().to_pylist()
@@ -59,4 +77,5 @@ def test_producer_tables_use_only_features_delta_rs_writes(spark, warehouse):
     # and delta-rs still writes them after Spark has read them
     with Broker.open(warehouse) as broker:
         TransactionProducer(broker, "g", Commit()).send_message_in_transaction(
-            Message(topic="ORDER", body=b"x"))
+            Message(topic="ORDER", body=b"x")
+        )

@@ -1,4 +1,5 @@
 """The group-commit writer: tickets, the wake-up chain, failures and log cleanup."""
+
 import os
 import threading
 import time
@@ -19,16 +20,22 @@ STORE_MS = 1234
 def op_rows(offsets: list[int]) -> dict[str, list]:
     """OP columns for `offsets` (all but store_ms, which the writer stamps)."""
     n = len(offsets)
-    return {"op_offset": offsets, "half_offset": offsets,
-            "transaction_id": [f"tx-{o}" for o in offsets], "producer_group": ["g"] * n,
-            "action": ["COMMIT"] * n, "source": ["PRODUCER"] * n, "remark": [None] * n}
+    return {
+        "op_offset": offsets,
+        "half_offset": offsets,
+        "transaction_id": [f"tx-{o}" for o in offsets],
+        "producer_group": ["g"] * n,
+        "action": ["COMMIT"] * n,
+        "source": ["PRODUCER"] * n,
+        "remark": [None] * n,
+    }
 
 
-def open_writer(warehouse: str, configuration: dict | None = None,
-                **kwargs) -> GroupCommitWriter:
+def open_writer(warehouse: str, configuration: dict | None = None, **kwargs) -> GroupCommitWriter:
     table = open_or_create(warehouse, OP, configuration=configuration)
-    return GroupCommitWriter(table, arrow_schema(OP), name=OP.path, clock=lambda: STORE_MS,
-                             **kwargs)
+    return GroupCommitWriter(
+        table, arrow_schema(OP), name=OP.path, clock=lambda: STORE_MS, **kwargs
+    )
 
 
 def changes(warehouse: str) -> list[dict]:
@@ -91,7 +98,7 @@ def test_each_sender_gets_its_own_commits_version_and_rows_stay_in_order(warehou
     for version, offsets in got.values():
         committed = by_version[version]
         at = committed.index(offsets[0])  # a sender's rows: in its commit, together, in order
-        assert committed[at:at + 3] == offsets
+        assert committed[at : at + 3] == offsets
 
 
 def test_a_failed_commit_fails_only_its_own_senders(warehouse, monkeypatch):
@@ -153,8 +160,10 @@ def log_entries(warehouse: str) -> list[str]:
 
 
 def test_the_writer_drops_expired_log_entries_every_log_cleanup_every_commits(warehouse):
-    config = dict(PRODUCER_TABLE_CONFIG, **{"delta.checkpointInterval": "5",
-                                            "delta.logRetentionDuration": "interval 0 seconds"})
+    config = dict(
+        PRODUCER_TABLE_CONFIG,
+        **{"delta.checkpointInterval": "5", "delta.logRetentionDuration": "interval 0 seconds"},
+    )
     writer = open_writer(warehouse, config, log_cleanup_every=8, compact_every=None)
     for o in range(7):
         writer.submit(op_rows([o])).result()
@@ -180,9 +189,14 @@ def test_the_writer_drops_expired_log_entries_every_log_cleanup_every_commits(wa
 
 
 def test_log_cleanup_follows_the_tables_setting(warehouse):
-    config = dict(PRODUCER_TABLE_CONFIG, **{"delta.checkpointInterval": "5",
-                                            "delta.logRetentionDuration": "interval 0 seconds",
-                                            "delta.enableExpiredLogCleanup": "false"})
+    config = dict(
+        PRODUCER_TABLE_CONFIG,
+        **{
+            "delta.checkpointInterval": "5",
+            "delta.logRetentionDuration": "interval 0 seconds",
+            "delta.enableExpiredLogCleanup": "false",
+        },
+    )
     writer = open_writer(warehouse, config, log_cleanup_every=3, compact_every=None)
     for o in range(9):
         writer.submit(op_rows([o])).result()
@@ -191,26 +205,30 @@ def test_log_cleanup_follows_the_tables_setting(warehouse):
     assert "00000000000000000000.json" in log_entries(warehouse)
 
 
-def test_upkeep_retries_a_log_changing_under_it_quietly_and_counts_it(warehouse, monkeypatch,
-                                                                       caplog):
+def test_upkeep_retries_a_log_changing_under_it_quietly_and_counts_it(
+    warehouse, monkeypatch, caplog
+):
     """delta-rs' "Expected contiguous commit files" while other writers commit
     is expected under load: counted in the writer's stats, not a warning."""
     import logging
 
     import txn_core.writer_upkeep as upkeep_module
+
     real, calls = upkeep_module.DeltaTable, []
 
     class Racing(real):
         def load_as_version(self, version):
             calls.append(version)
             if len(calls) == 1:
-                raise Exception("Generic delta kernel error: Expected contiguous commit "
-                                "files, but found gap")
+                raise Exception(
+                    "Generic delta kernel error: Expected contiguous commit files, but found gap"
+                )
             return super().load_as_version(version)
 
     monkeypatch.setattr(upkeep_module, "DeltaTable", Racing)
-    writer = open_writer(warehouse, configuration={**PRODUCER_TABLE_CONFIG,
-                                                    "delta.checkpointInterval": "2"})
+    writer = open_writer(
+        warehouse, configuration={**PRODUCER_TABLE_CONFIG, "delta.checkpointInterval": "2"}
+    )
     with caplog.at_level(logging.WARNING, logger="txn_core.writer_upkeep"):
         for o in range(6):  # checkpoints due at versions 1, 3, 5
             writer.submit(op_rows([o])).result(10)

@@ -1,13 +1,17 @@
 """jobs.held: what a run keeps is computed once, reads back the same rows, and
 is freed when the run releases it."""
+
 from pyspark.sql import functions as F
 
 from jobs.held import Held
 
 
 def _kept_rdds(spark) -> set[int]:
-    return {info.id() for info in spark.sparkContext._jsc.sc().getRDDStorageInfo()
-            if info.numCachedPartitions() > 0}
+    return {
+        info.id()
+        for info in spark.sparkContext._jsc.sc().getRDDStorageInfo()
+        if info.numCachedPartitions() > 0
+    }
 
 
 def test_checkpoint_keeps_the_rows_and_release_frees_them(spark):

@@ -1,14 +1,19 @@
 """jobs.local: a driver's rows as a DataFrame Spark holds in its plan."""
+
 from __future__ import annotations
 
 from pyspark.sql.types import IntegerType, LongType, MapType, StringType, StructField, StructType
 
 from jobs.local import local_frame
 
-SCHEMA = StructType([StructField("topic", StringType(), False),
-                     StructField("queue_id", IntegerType(), True),
-                     StructField("props", MapType(StringType(), StringType()), True),
-                     StructField("offset", LongType(), False)])
+SCHEMA = StructType(
+    [
+        StructField("topic", StringType(), False),
+        StructField("queue_id", IntegerType(), True),
+        StructField("props", MapType(StringType(), StringType()), True),
+        StructField("offset", LongType(), False),
+    ]
+)
 
 
 def _plan(df) -> str:
@@ -16,11 +21,12 @@ def _plan(df) -> str:
 
 
 def test_rows_keep_their_values_and_the_exact_schema(spark):
-    df = local_frame(spark, [("ORDER", 3, {"k": "v"}, 1 << 40), ("PAY", None, None, 0)],
-                     SCHEMA)
+    df = local_frame(spark, [("ORDER", 3, {"k": "v"}, 1 << 40), ("PAY", None, None, 0)], SCHEMA)
     assert df.schema == SCHEMA
-    assert [tuple(r) for r in df.collect()] == [("ORDER", 3, {"k": "v"}, 1 << 40),
-                                                ("PAY", None, None, 0)]
+    assert [tuple(r) for r in df.collect()] == [
+        ("ORDER", 3, {"k": "v"}, 1 << 40),
+        ("PAY", None, None, 0),
+    ]
     assert "LocalRelation" in _plan(df)  # no Python RDD: no task runs a Python worker
 
 

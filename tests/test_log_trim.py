@@ -1,4 +1,5 @@
 """Producer tables' logs trimmed behind the job's cursor (txn_core.log_trim)."""
+
 from __future__ import annotations
 
 import os
@@ -34,13 +35,17 @@ def entries(path: str) -> list[str]:
 
 
 def writer_on(table: DeltaTable, **kwargs) -> GroupCommitWriter:
-    return GroupCommitWriter(table, arrow_schema(OP), name=OP.path, clock=lambda: STORE_MS,
-                             compact_every=None, **kwargs)
+    return GroupCommitWriter(
+        table, arrow_schema(OP), name=OP.path, clock=lambda: STORE_MS, compact_every=None, **kwargs
+    )
 
 
 def test_the_writer_trims_up_to_the_newest_checkpoint_at_or_before_the_floor(warehouse):
-    writer = writer_on(open_or_create(warehouse, OP, configuration=EVERY_5),
-                       log_cleanup_every=20, log_floor=lambda: 12)
+    writer = writer_on(
+        open_or_create(warehouse, OP, configuration=EVERY_5),
+        log_cleanup_every=20,
+        log_floor=lambda: 12,
+    )
     for o in range(20):
         writer.submit(op_rows([o])).result()
     writer.close()
@@ -50,8 +55,12 @@ def test_the_writer_trims_up_to_the_newest_checkpoint_at_or_before_the_floor(war
     assert writer.upkeep.trimmed_entries > 0
     assert "00000000000000000008.json" not in left
     assert "00000000000000000004.checkpoint.parquet" not in left
-    assert {"00000000000000000009.json", "00000000000000000009.checkpoint.parquet",
-            "00000000000000000012.json", "00000000000000000020.json"} <= set(left)
+    assert {
+        "00000000000000000009.json",
+        "00000000000000000009.checkpoint.parquet",
+        "00000000000000000012.json",
+        "00000000000000000020.json",
+    } <= set(left)
     table = DeltaTable(path)
     assert sorted(table.to_pyarrow_table()["op_offset"].to_pylist()) == list(range(20))
     feed = pa.table(table.load_cdf(starting_version=12)).to_pylist()  # the job reads on
@@ -60,8 +69,11 @@ def test_the_writer_trims_up_to_the_newest_checkpoint_at_or_before_the_floor(war
 
 def test_nothing_is_trimmed_before_the_job_has_run(warehouse):
     assert job_cursor(warehouse, HALF) is None
-    writer = writer_on(open_or_create(warehouse, OP, configuration=EVERY_5),
-                       log_cleanup_every=10, log_floor=lambda: job_cursor(warehouse, OP))
+    writer = writer_on(
+        open_or_create(warehouse, OP, configuration=EVERY_5),
+        log_cleanup_every=10,
+        log_floor=lambda: job_cursor(warehouse, OP),
+    )
     for o in range(10):
         writer.submit(op_rows([o])).result()
     writer.close()
@@ -70,11 +82,11 @@ def test_nothing_is_trimmed_before_the_job_has_run(warehouse):
 
 
 def test_a_writer_left_behind_while_another_committed_and_trimmed_commits_on(warehouse):
-    idle = writer_on(open_or_create(warehouse, OP, configuration=EVERY_5),
-                     log_cleanup_every=None)
+    idle = writer_on(open_or_create(warehouse, OP, configuration=EVERY_5), log_cleanup_every=None)
     assert idle.submit(op_rows([0])).result() == 1
-    busy = writer_on(DeltaTable(table_path(warehouse, OP)), log_cleanup_every=12,
-                     log_floor=lambda: 10**9)
+    busy = writer_on(
+        DeltaTable(table_path(warehouse, OP)), log_cleanup_every=12, log_floor=lambda: 10**9
+    )
     for o in range(1, 13):
         busy.submit(op_rows([o])).result()
     busy.close()
@@ -82,8 +94,9 @@ def test_a_writer_left_behind_while_another_committed_and_trimmed_commits_on(war
     # The idle handle stands at version 1, whose commit is gone from the log.
     assert idle.submit(op_rows([13])).result() == 14
     idle.close()
-    assert sorted(DeltaTable(table_path(warehouse, OP)).to_pyarrow_table()["op_offset"]
-                  .to_pylist()) == list(range(14))
+    assert sorted(
+        DeltaTable(table_path(warehouse, OP)).to_pyarrow_table()["op_offset"].to_pylist()
+    ) == list(range(14))
 
 
 class CommitAll(TransactionListener):
@@ -94,8 +107,7 @@ class CommitAll(TransactionListener):
         return LocalTransactionState.COMMIT_MESSAGE
 
 
-def test_the_job_reads_on_and_verifies_after_producers_trimmed_behind_its_cursor(
-        spark, warehouse):
+def test_the_job_reads_on_and_verifies_after_producers_trimmed_behind_its_cursor(spark, warehouse):
     for table in (HALF, OP):
         open_or_create(warehouse, table, configuration=EVERY_5)
     broker = Broker.open(warehouse)

@@ -1,4 +1,5 @@
 """Producer-side table health: compaction, checkpoints, and the retention purge (I5)."""
+
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 
@@ -36,14 +37,31 @@ class Clock:
 
 def _mark_resolved(warehouse, results):
     """Stand-in for the job's `_sys/resolved` rows (the job writes them in production)."""
-    rows = [{"half_offset": r.half_offset, "transaction_id": r.transaction_id,
-             "producer_group": "g", "topic": "T", "action": "COMMIT", "source": "PRODUCER",
-             "op_offset": 0, "op_version": 0, "op_store_ms": 0, "after_discard": False,
-             "run_id": "run-1"} for r in results]
+    rows = [
+        {
+            "half_offset": r.half_offset,
+            "transaction_id": r.transaction_id,
+            "producer_group": "g",
+            "topic": "T",
+            "action": "COMMIT",
+            "source": "PRODUCER",
+            "op_offset": 0,
+            "op_version": 0,
+            "op_store_ms": 0,
+            "after_discard": False,
+            "run_id": "run-1",
+        }
+        for r in results
+    ]
     table = open_or_create(warehouse, RESOLVED, configuration={})
-    write_deltalake(table, pa.Table.from_pylist(
-        [{**{c: None for c in arrow_schema(RESOLVED).names}, **row} for row in rows],
-        schema=arrow_schema(RESOLVED)), mode="append")
+    write_deltalake(
+        table,
+        pa.Table.from_pylist(
+            [{**{c: None for c in arrow_schema(RESOLVED).names}, **row} for row in rows],
+            schema=arrow_schema(RESOLVED),
+        ),
+        mode="append",
+    )
 
 
 def test_purge_deletes_only_resolved_messages_older_than_retention(warehouse):
@@ -59,10 +77,13 @@ def test_purge_deletes_only_resolved_messages_older_than_retention(warehouse):
         clock.now += 1
         _mark_resolved(warehouse, [old_resolved, edge])
         report = maintain(broker, now_ms=clock.now + 72 * HOUR - 1)
-    halves = {r["half_offset"] for r in DeltaTable(f"{warehouse}/_sys/half")
-              .to_pyarrow_table().to_pylist()}
-    ops = {r["half_offset"] for r in DeltaTable(f"{warehouse}/_sys/op")
-           .to_pyarrow_table().to_pylist()}
+    halves = {
+        r["half_offset"]
+        for r in DeltaTable(f"{warehouse}/_sys/half").to_pyarrow_table().to_pylist()
+    }
+    ops = {
+        r["half_offset"] for r in DeltaTable(f"{warehouse}/_sys/op").to_pyarrow_table().to_pylist()
+    }
     assert (report.purged_halves, report.purged_ops) == (1, 1)
     assert halves == {old_pending.half_offset, edge.half_offset}
     assert ops == {edge.half_offset}
@@ -72,8 +93,9 @@ def test_compaction_and_checkpoint_leave_rows_and_change_feed_intact(warehouse):
     with Broker.open(warehouse) as broker:
         producer = TransactionProducer(broker, "g", Decide())
         for i in range(12):
-            producer.send_message_in_transaction(Message(topic="T", body=bytes([i])),
-                                                 LocalTransactionState.COMMIT_MESSAGE)
+            producer.send_message_in_transaction(
+                Message(topic="T", body=bytes([i])), LocalTransactionState.COMMIT_MESSAGE
+            )
         half = DeltaTable(f"{warehouse}/_sys/half")
         before_files, before_version = len(half.file_uris()), half.version()
         report = maintain(broker)
@@ -90,12 +112,16 @@ def test_group_commit_writer_compacts_its_small_files_without_new_data(warehouse
     """The writer's upkeep compacts every COMPACT_EVERY small commits: a
     long-running producer's table does not pile up small files."""
     from txn_core import writer_upkeep
+
     with Broker.open(warehouse) as broker:
         broker._half.upkeep.compact_every = 5  # the default is 256: keep the test small
         producer = TransactionProducer(broker, "g", Decide())
-        sent = [producer.send_message_in_transaction(Message(topic="T", body=bytes([i])),
-                                                     LocalTransactionState.COMMIT_MESSAGE)
-                for i in range(12)]
+        sent = [
+            producer.send_message_in_transaction(
+                Message(topic="T", body=bytes([i])), LocalTransactionState.COMMIT_MESSAGE
+            )
+            for i in range(12)
+        ]
     # closed: the upkeep due by then is done (it runs beside the writer, so
     # a compaction may also take in commits made while it ran)
     assert writer_upkeep.COMPACT_EVERY == 256 and broker._half.upkeep.compactions == 2
@@ -104,5 +130,6 @@ def test_group_commit_writer_compacts_its_small_files_without_new_data(warehouse
     changes = pa.table(half.load_cdf(starting_version=0)).to_pylist()
     inserted = [c["half_offset"] for c in changes if c["_change_type"] == "insert"]
     assert sorted(inserted) == sorted(r.half_offset for r in sent)
-    assert sorted(half.to_pyarrow_table()["half_offset"].to_pylist()) == \
-        sorted(r.half_offset for r in sent)
+    assert sorted(half.to_pyarrow_table()["half_offset"].to_pylist()) == sorted(
+        r.half_offset for r in sent
+    )

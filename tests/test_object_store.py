@@ -1,6 +1,7 @@
 """The warehouse on an S3-compatible server (MinIO, on loopback, started by
 `conftest.s3`): one URI for both engines, concurrent producer processes, the
 job's whole cycle, a killed run, and every bad store named before a write."""
+
 from __future__ import annotations
 
 import json
@@ -48,22 +49,34 @@ def _no_secrets(*texts: str) -> None:
 
 # --- configuration: no server needed ------------------------------------------------
 
+
 def test_one_warehouse_uri_is_mapped_for_each_engine():
-    cfg = load_config(env={}, warehouse="s3://bucket/wh/", s3_endpoint="http://127.0.0.1:9000",
-                      s3_path_style=True, s3_allow_http=True, s3_region="eu-west-1")
+    cfg = load_config(
+        env={},
+        warehouse="s3://bucket/wh/",
+        s3_endpoint="http://127.0.0.1:9000",
+        s3_path_style=True,
+        s3_allow_http=True,
+        s3_region="eu-west-1",
+    )
     assert cfg.warehouse == "s3a://bucket/wh"  # what delta-rs and Spark's s3a both read
     storage = Storage.from_config(cfg)
     assert storage.delta_rs_options() == {
-        "AWS_REGION": "eu-west-1", "AWS_CONDITIONAL_PUT": "etag",
+        "AWS_REGION": "eu-west-1",
+        "AWS_CONDITIONAL_PUT": "etag",
         "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
-        "AWS_VIRTUAL_HOSTED_STYLE_REQUEST": "false", "AWS_ALLOW_HTTP": "true"}
+        "AWS_VIRTUAL_HOSTED_STYLE_REQUEST": "false",
+        "AWS_ALLOW_HTTP": "true",
+    }
     assert storage.hadoop_options() == {
         "fs.s3a.bucket.bucket.endpoint.region": "eu-west-1",
         "fs.s3a.bucket.bucket.path.style.access": "true",
-        "fs.s3a.bucket.bucket.aws.credentials.provider":
-            "software.amazon.awssdk.auth.credentials.DefaultCredentialsProvider",
+        "fs.s3a.bucket.bucket.aws.credentials.provider": (
+            "software.amazon.awssdk.auth.credentials.DefaultCredentialsProvider"
+        ),
         "fs.s3a.bucket.bucket.endpoint": "http://127.0.0.1:9000",
-        "fs.s3a.bucket.bucket.connection.ssl.enabled": "false"}
+        "fs.s3a.bucket.bucket.connection.ssl.enabled": "false",
+    }
     # virtual-hosted requests to a custom endpoint go to bucket.host
     hosted = Storage(warehouse="s3a://bucket/wh", endpoint="https://store.example:9000")
     assert hosted.delta_rs_options()["AWS_ENDPOINT_URL"] == "https://bucket.store.example:9000"
@@ -73,21 +86,25 @@ def test_one_warehouse_uri_is_mapped_for_each_engine():
 
 def test_store_settings_follow_the_precedence_of_every_key(tmp_path):
     conf = tmp_path / "c.toml"
-    conf.write_text('warehouse = "s3a://b/wh"\ns3_endpoint = "https://file:1"\n'
-                    's3_path_style = true\n')
+    conf.write_text(
+        'warehouse = "s3a://b/wh"\ns3_endpoint = "https://file:1"\ns3_path_style = true\n'
+    )
     env = {"TXN_S3_ENDPOINT": "https://env:2", "TXN_S3_PATH_STYLE": "false"}
     cfg = load_config(conf, env=env, s3_endpoint="https://flag:3")
     assert (cfg.s3_endpoint, cfg.s3_path_style) == ("https://flag:3", False)
     assert load_config(conf, env={}).s3_path_style is True
 
 
-@pytest.mark.parametrize("overrides, named", [
-    ({"warehouse": "http://host/wh"}, "unsupported scheme 'http'"),
-    ({"warehouse": "s3:///wh"}, "names no bucket"),
-    ({"warehouse": "s3://b/wh", "s3_endpoint": "http://127.0.0.1:9000"}, "s3_allow_http"),
-    ({"s3_endpoint": "127.0.0.1:9000"}, "s3_endpoint"),
-    ({"s3_path_style": "yes"}, "s3_path_style"),
-])
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        ({"warehouse": "http://host/wh"}, "unsupported scheme 'http'"),
+        ({"warehouse": "s3:///wh"}, "names no bucket"),
+        ({"warehouse": "s3://b/wh", "s3_endpoint": "http://127.0.0.1:9000"}, "s3_allow_http"),
+        ({"s3_endpoint": "127.0.0.1:9000"}, "s3_endpoint"),
+        ({"s3_path_style": "yes"}, "s3_path_style"),
+    ],
+)
 def test_bad_store_settings_are_refused_naming_the_key(overrides, named):
     with pytest.raises(ConfigError, match=named):
         load_config(env={}, **overrides)
@@ -100,14 +117,17 @@ def test_a_bad_boolean_in_the_environment_names_the_variable():
 
 # --- a store that cannot be used: named before anything is written -------------------
 
+
 def test_every_unusable_store_is_named_before_a_write(s3, monkeypatch):
     def refused(cfg: dict, named: str) -> None:
         with pytest.raises(StorageError, match=named) as caught:
             Broker.open(load_config(env={}, **cfg))
         _no_secrets(str(caught.value))
 
-    refused({**s3.config(), "warehouse": "s3://no-such-bucket/wh"},
-            "bucket 'no-such-bucket' does not exist")
+    refused(
+        {**s3.config(), "warehouse": "s3://no-such-bucket/wh"},
+        "bucket 'no-such-bucket' does not exist",
+    )
     refused({**s3.config(), "s3_endpoint": "http://127.0.0.1:9"}, "cannot reach the store")
     lax = S3Server("moto", "--no-conditional-writes")
     try:
@@ -145,15 +165,31 @@ def test_the_cli_exits_2_for_a_missing_bucket_before_starting_spark(s3):
 def _cli(settings: dict, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """`txn-reconcile ARGS` on the warehouse of `settings`, in a process of its own."""
     return subprocess.run(
-        [sys.executable, "-m", "jobs.reconcile", *args, "--warehouse", settings["warehouse"],
-         "--s3-endpoint", settings["s3_endpoint"], "--s3-path-style", "true",
-         "--s3-allow-http", "true"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "jobs.reconcile",
+            *args,
+            "--warehouse",
+            settings["warehouse"],
+            "--s3-endpoint",
+            settings["s3_endpoint"],
+            "--s3-path-style",
+            "true",
+            "--s3-allow-http",
+            "true",
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_a_second_run_on_s3_exits_75_while_the_lease_is_held(s3):
     from jobs.lease import EXIT_LEASE_HELD, Lease
+
     settings = s3.config()
     cfg = load_config(env={}, **settings)
     lease = Lease(use(Storage.from_config(cfg)).warehouse, cfg.lease_ttl_s).acquire()
@@ -167,19 +203,20 @@ def test_a_second_run_on_s3_exits_75_while_the_lease_is_held(s3):
 
 # --- the job's reads ---------------------------------------------------------------------
 
+
 def test_the_job_reads_appended_rows_and_snapshots_as_parquet_on_s3(spark, s3):
     """The log entries are fetched from the store, so the job reads a
     producer table's new files as parquet there too, not through the change
     data feed's row-by-row reader; the rows are the same."""
     from jobs import appends, inputs
     from jobs.session import use_warehouse
+
     cfg = load_config(env={}, **s3.config())
     use_warehouse(spark, cfg)
     broker = Broker.open(cfg)
     producer = TransactionProducer(broker, group="g", listener=Listener())
     for i in range(3):
-        producer.send_message_in_transaction(Message(topic="ORDER", body=bytes([i]),
-                                                     keys="commit"))
+        producer.send_message_in_transaction(Message(topic="ORDER", body=bytes([i]), keys="commit"))
     broker.close()
     path = table_path(cfg.warehouse, HALF)
     upto = DeltaTable(path, storage_options=options_for(path)).version()
@@ -190,21 +227,34 @@ def test_the_job_reads_appended_rows_and_snapshots_as_parquet_on_s3(spark, s3):
     slow = inputs.change_feed_inserts(spark, path, 0, upto)
     assert sorted(r.body for r in fast.collect()) == [bytes([i]) for i in range(3)]
     assert sorted((r.half_offset, r.commit_version) for r in fast.collect()) == sorted(
-        (r.half_offset, r.commit_version) for r in slow.collect())
+        (r.half_offset, r.commit_version) for r in slow.collect()
+    )
     assert all(f.startswith("s3a://") for f in appends.snapshot_files(path, upto))
 
 
 # --- producers --------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_four_producer_processes_on_one_bucket_lose_nothing(s3):
     cfg = s3.config()
     per_thread = 15
-    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "s3_producer.py"),
-                               json.dumps(cfg), str(per_thread)],
-                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(4)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(REPO / "tests" / "s3_producer.py"),
+                json.dumps(cfg),
+                str(per_thread),
+            ],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
     reports = []
     for proc in procs:
         out, err = proc.communicate(timeout=300)
@@ -214,8 +264,9 @@ def test_four_producer_processes_on_one_bucket_lose_nothing(s3):
         # every half and OP durable: the four raced to create the tables, too
         assert reports[-1]["failures"] == [], reports[-1]["failures"][:3]
     # on S3 too the commits are blind appends, racing with put-if-absent
-    assert all(r["committers"] == {"_sys/half": "blind append", "_sys/op": "blind append"}
-               for r in reports)
+    assert all(
+        r["committers"] == {"_sys/half": "blind append", "_sys/op": "blind append"} for r in reports
+    )
     sent = {tx: off for r in reports for tx, off in r["sent"]}
     assert len(sent) == 4 * (4 * per_thread + 20)
 
@@ -231,14 +282,14 @@ def test_four_producer_processes_on_one_bucket_lose_nothing(s3):
 
 # --- the job ----------------------------------------------------------------------------
 
+
 class Listener(TransactionListener):
     """Local outcome and check answer chosen by the message's keys."""
 
     def execute_local_transaction(self, msg, arg):
         if isinstance(msg, (list, tuple)) or not hasattr(msg, "keys"):
             return S.COMMIT_MESSAGE  # the batch
-        return {"commit": S.COMMIT_MESSAGE, "rollback": S.ROLLBACK_MESSAGE}.get(msg.keys,
-                                                                                 S.UNKNOWN)
+        return {"commit": S.COMMIT_MESSAGE, "rollback": S.ROLLBACK_MESSAGE}.get(msg.keys, S.UNKNOWN)
 
     def check_local_transaction(self, msg):
         return S.COMMIT_MESSAGE if msg.keys == "checked" else S.UNKNOWN
@@ -246,17 +297,25 @@ class Listener(TransactionListener):
 
 @pytest.mark.slow
 def test_the_whole_cycle_on_s3_checks_discards_resolves_and_verifies(spark, s3):
-    settings = {**s3.config(), "check_max": 2, "transaction_timeout_ms": 1_000,
-                "check_interval_ms": 1_000}
+    settings = {
+        **s3.config(),
+        "check_max": 2,
+        "transaction_timeout_ms": 1_000,
+        "check_interval_ms": 1_000,
+    }
     cfg = load_config(env={}, **settings)
     clock = [T]
     broker = Broker.open(cfg, clock=lambda: clock[0])
     producer = TransactionProducer(broker, group="order_group", listener=Listener())
-    sent = {k: producer.send_message_in_transaction(
-        Message(topic="ORDER", body=f"body-{k}".encode(), keys=k, properties={"p": k}))
-        for k in ("commit", "rollback", "checked", "never")}
+    sent = {
+        k: producer.send_message_in_transaction(
+            Message(topic="ORDER", body=f"body-{k}".encode(), keys=k, properties={"p": k})
+        )
+        for k in ("commit", "rollback", "checked", "never")
+    }
     producer.send_batch_in_transaction(
-        [Message(topic="PAY", body=bytes([i, 0, 255]), keys=f"pay-{i}") for i in range(3)])
+        [Message(topic="PAY", body=bytes([i, 0, 255]), keys=f"pay-{i}") for i in range(3)]
+    )
 
     first = reconcile(spark, cfg, now_ms=T + 2_000)
     assert (first.committed, first.rolled_back, first.check_requests) == (4, 1, 2)
@@ -271,10 +330,30 @@ def test_the_whole_cycle_on_s3_checks_discards_resolves_and_verifies(spark, s3):
     assert third.discarded_max_checks == 1 and third.pending_after == 0
 
     # an operator overrides the discard (CLI: an ADMIN OP through the broker core)
-    flags = ["--warehouse", settings["warehouse"], "--s3-endpoint", settings["s3_endpoint"],
-             "--s3-path-style", "true", "--s3-allow-http", "true"]
-    assert main(["resolve", *flags, "--transaction-id", sent["never"].transaction_id,
-                 "--commit", "--remark", "ops ticket 42"]) == 0
+    flags = [
+        "--warehouse",
+        settings["warehouse"],
+        "--s3-endpoint",
+        settings["s3_endpoint"],
+        "--s3-path-style",
+        "true",
+        "--s3-allow-http",
+        "true",
+    ]
+    assert (
+        main(
+            [
+                "resolve",
+                *flags,
+                "--transaction-id",
+                sent["never"].transaction_id,
+                "--commit",
+                "--remark",
+                "ops ticket 42",
+            ]
+        )
+        == 0
+    )
     fourth = reconcile(spark, cfg, now_ms=T + 7_000)
     assert fourth.committed == 1
 
@@ -284,10 +363,13 @@ def test_the_whole_cycle_on_s3_checks_discards_resolves_and_verifies(spark, s3):
 
     order = read_topic(cfg, "ORDER")
     assert [(r["queue_offset"], r["keys"], r["body"]) for r in order] == [
-        (0, "commit", b"body-commit"), (1, "checked", b"body-checked"),
-        (2, "never", b"body-never")]
-    assert sorted(r["body"] for r in read_topic(cfg, "PAY")) == [bytes([i, 0, 255])
-                                                                 for i in range(3)]
+        (0, "commit", b"body-commit"),
+        (1, "checked", b"body-checked"),
+        (2, "never", b"body-never"),
+    ]
+    assert sorted(r["body"] for r in read_topic(cfg, "PAY")) == [
+        bytes([i, 0, 255]) for i in range(3)
+    ]
     runs = _rows(table_path(cfg.warehouse, RUNS))
     _no_secrets(repr(runs), json.dumps(report.to_dict(), default=str))
 
@@ -301,20 +383,36 @@ def _outputs(warehouse: str) -> dict[str, list]:
     """The job's output tables (wall-clock columns removed), order-independent."""
     wall_clock = {"started_ms", "ended_ms", "summary_json", "duration_ms"}
     tables = {}
-    for name in ("topics/ORDER", "_sys/pending", "_sys/queues", "_sys/resolved",
-                 "_sys/check_requests", "_sys/discard", "_sys/rejected", "_sys/runs"):
+    for name in (
+        "topics/ORDER",
+        "_sys/pending",
+        "_sys/queues",
+        "_sys/resolved",
+        "_sys/check_requests",
+        "_sys/discard",
+        "_sys/rejected",
+        "_sys/runs",
+    ):
         path = f"{warehouse}/{name}"
         if not DeltaTable.is_deltatable(path, storage_options=options_for(path)):
             continue
-        tables[name] = sorted(repr(sorted((k, sorted(v) if isinstance(v, list) else v)
-                                          for k, v in r.items() if k not in wall_clock))
-                              for r in _rows(path))
+        tables[name] = sorted(
+            repr(
+                sorted(
+                    (k, sorted(v) if isinstance(v, list) else v)
+                    for k, v in r.items()
+                    if k not in wall_clock
+                )
+            )
+            for r in _rows(path)
+        )
     return tables
 
 
 def _seed(settings: dict) -> None:
     """Producer rows written directly: a commit, a rollback, one left to check."""
     import factories as fx
+
     cfg = load_config(env={}, **settings)
     wh = use(Storage.from_config(cfg)).warehouse
     delivered = fx.half(1, store_ms=T - 100_000)
@@ -332,8 +430,13 @@ def test_a_killed_run_on_s3_is_redone_exactly_once(spark, s3):
     expected = reconcile(spark, load_config(env={}, **clean), now_ms=T)
 
     # SIGKILL after the topic's commit, before the rest: no finally, no lease release
-    dead = _cli(killed, "run", "--now-ms", str(T),
-                env={"TXN_FAULT_AT": "after:topics/ORDER", "TXN_FAULT_MODE": "kill"})
+    dead = _cli(
+        killed,
+        "run",
+        "--now-ms",
+        str(T),
+        env={"TXN_FAULT_AT": "after:topics/ORDER", "TXN_FAULT_MODE": "kill"},
+    )
     assert dead.returncode in (-9, FAULT_EXIT_CODE), dead.stderr[-3000:]
     assert dead.stdout == ""
     rerun = _cli(killed, "run", "--now-ms", str(T))

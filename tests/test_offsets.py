@@ -1,4 +1,5 @@
 """I1: half and op offsets are unique with many threads and processes writing."""
+
 import multiprocessing
 import threading
 
@@ -34,13 +35,17 @@ def _send_from_threads(warehouse, start, out):
         def send(t):
             try:
                 for i in range(SENDS):
-                    state = (LocalTransactionState.COMMIT_MESSAGE if (t + i) % 3
-                             else LocalTransactionState.ROLLBACK_MESSAGE)
+                    state = (
+                        LocalTransactionState.COMMIT_MESSAGE
+                        if (t + i) % 3
+                        else LocalTransactionState.ROLLBACK_MESSAGE
+                    )
                     producer.send_message_in_transaction(Message(topic="T", body=b"x"), state)
                 # one batch per thread too: all-or-none, offsets from the same allocator
                 producer.send_batch_in_transaction(
-                    [Message(topic="T", body=b"b")] * 3, LocalTransactionState.COMMIT_MESSAGE)
-            except Exception as exc:  # reported to the parent
+                    [Message(topic="T", body=b"b")] * 3, LocalTransactionState.COMMIT_MESSAGE
+                )
+            except Exception as exc:  # noqa: BLE001 - reported to the parent
                 errors.append(repr(exc))
 
         threads = [threading.Thread(target=send, args=(t,)) for t in range(THREADS)]
@@ -53,8 +58,10 @@ def test_offsets_unique_across_processes_and_threads(warehouse):
     Broker.open(warehouse).close()  # create tables up front, as a deployment would
     ctx = multiprocessing.get_context("spawn")  # delta-rs does not survive fork
     start, out = ctx.Barrier(PROCESSES), ctx.Queue()
-    procs = [ctx.Process(target=_send_from_threads, args=(warehouse, start, out))
-             for _ in range(PROCESSES)]
+    procs = [
+        ctx.Process(target=_send_from_threads, args=(warehouse, start, out))
+        for _ in range(PROCESSES)
+    ]
     [p.start() for p in procs]
     reports = [out.get(timeout=300) for _ in procs]
     [p.join(timeout=60) for p in procs]
@@ -71,10 +78,11 @@ def test_offsets_unique_across_processes_and_threads(warehouse):
     # half and op offsets come from one allocator per broker: disjoint sets
     assert not set(halves["half_offset"].to_pylist()) & set(ops["op_offset"].to_pylist())
     # every OP names a stored half with its own transaction id
-    by_offset = dict(zip(halves["half_offset"].to_pylist(),
-                         halves["transaction_id"].to_pylist()))
-    assert all(by_offset[h] == t for h, t in zip(ops["half_offset"].to_pylist(),
-                                                 ops["transaction_id"].to_pylist()))
+    by_offset = dict(zip(halves["half_offset"].to_pylist(), halves["transaction_id"].to_pylist()))
+    assert all(
+        by_offset[h] == t
+        for h, t in zip(ops["half_offset"].to_pylist(), ops["transaction_id"].to_pylist())
+    )
 
 
 def test_allocator_moves_to_a_new_epoch_when_the_sequence_is_used_up():

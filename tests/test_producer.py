@@ -1,4 +1,5 @@
 """Broker core semantics, SPEC §3 points 1–9."""
+
 import os
 import shutil
 import threading
@@ -79,21 +80,38 @@ def test_no_listener_is_refused_before_anything_is_written(broker, warehouse):
 
 
 def test_commit_writes_half_then_producer_op(producer, listener, warehouse):
-    msg = Message(topic="ORDER", body=b"\x00body\xff", keys="order-42", tags="created",
-                  properties={"k": "v"}, queue_id=3, check_immunity_s=60)
+    msg = Message(
+        topic="ORDER",
+        body=b"\x00body\xff",
+        keys="order-42",
+        tags="created",
+        properties={"k": "v"},
+        queue_id=3,
+        check_immunity_s=60,
+    )
     result = producer.send_message_in_transaction(msg, arg=COMMIT)
     assert result.local_state is COMMIT and result.op_written and result.error is None
     [half] = rows(warehouse, "_sys/half")
     assert half["half_offset"] == result.half_offset
     assert half["transaction_id"] == result.transaction_id
-    assert (half["topic"], half["body"], half["keys"], half["tags"], half["queue_id"],
-            half["check_immunity_s"], dict(half["properties"])) == (
-        "ORDER", b"\x00body\xff", "order-42", "created", 3, 60, {"k": "v"})
+    assert (
+        half["topic"],
+        half["body"],
+        half["keys"],
+        half["tags"],
+        half["queue_id"],
+        half["check_immunity_s"],
+        dict(half["properties"]),
+    ) == ("ORDER", b"\x00body\xff", "order-42", "created", 3, 60, {"k": "v"})
     assert half["store_ms"] >= half["born_ms"]
     [op] = rows(warehouse, "_sys/op")
-    assert (op["half_offset"], op["transaction_id"], op["producer_group"], op["action"],
-            op["source"]) == (result.half_offset, result.transaction_id, "order_group",
-                              "COMMIT", "PRODUCER")
+    assert (
+        op["half_offset"],
+        op["transaction_id"],
+        op["producer_group"],
+        op["action"],
+        op["source"],
+    ) == (result.half_offset, result.transaction_id, "order_group", "COMMIT", "PRODUCER")
     # the listener saw the stored message, ids filled in, as RocketMQ sets transactionId
     assert listener.executed[0].transaction_id == result.transaction_id
 
@@ -139,8 +157,9 @@ def test_op_persist_failure_is_reported_not_raised(producer, warehouse):
         _break_table(warehouse, "_sys/op")
         return COMMIT
 
-    result = producer.send_message_in_transaction(Message(topic="ORDER", body=b"x"),
-                                                  commit_after_breaking_op_table)
+    result = producer.send_message_in_transaction(
+        Message(topic="ORDER", body=b"x"), commit_after_breaking_op_table
+    )
     assert result.local_state is COMMIT
     assert result.op_written is False and isinstance(result.op_error, PersistError)
     assert len(rows(warehouse, "_sys/half")) == 1  # the back-check will settle it
@@ -148,7 +167,8 @@ def test_op_persist_failure_is_reported_not_raised(producer, warehouse):
 
 def test_delay_level_is_cleared_for_a_single_send(producer, listener):
     result = producer.send_message_in_transaction(
-        Message(topic="ORDER", body=b"x", delay_level=3), COMMIT)
+        Message(topic="ORDER", body=b"x", delay_level=3), COMMIT
+    )
     assert result.op_written and listener.executed[0].delay_level == 0
 
 
@@ -165,13 +185,18 @@ def test_batch_is_one_half_commit_one_decision_one_op_commit(producer, listener,
     assert {o["transaction_id"] for o in ops} == set(result.transaction_ids)
 
 
-@pytest.mark.parametrize("batch, field", [
-    ([], "messages"),
-    ([Message(topic="A", body=b"x"), Message(topic="B", body=b"x")], "messages"),
-    ([Message(topic="A", body=b"x"), Message(topic="A", body=b"x", delay_level=2)],
-     "messages[1].delay_level"),
-    ([Message(topic="A", body=b"x"), Message(topic="A", body=b"")], "messages[1].body"),
-])
+@pytest.mark.parametrize(
+    "batch, field",
+    [
+        ([], "messages"),
+        ([Message(topic="A", body=b"x"), Message(topic="B", body=b"x")], "messages"),
+        (
+            [Message(topic="A", body=b"x"), Message(topic="A", body=b"x", delay_level=2)],
+            "messages[1].delay_level",
+        ),
+        ([Message(topic="A", body=b"x"), Message(topic="A", body=b"")], "messages[1].body"),
+    ],
+)
 def test_batch_rules(producer, warehouse, batch, field):
     with pytest.raises(MessageValidationError) as err:
         producer.send_batch_in_transaction(batch, COMMIT)
@@ -179,30 +204,34 @@ def test_batch_rules(producer, warehouse, batch, field):
     assert rows(warehouse, "_sys/half") == []
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(topic=""), "topic"),
-    (dict(topic="T" * 128), "topic"),
-    (dict(topic="bad topic!"), "topic"),
-    (dict(topic="_sys_half"), "topic"),
-    (dict(topic="RMQ_SYS_TRANS_HALF_TOPIC"), "topic"),
-    (dict(topic="TBW102"), "topic"),
-    (dict(topic=42), "topic"),
-    (dict(body=None), "body"),
-    (dict(body=b""), "body"),
-    (dict(body="text"), "body"),
-    (dict(body=b"x" * 1025), "body"),
-    (dict(keys=7), "keys"),
-    (dict(tags=b"t"), "tags"),
-    (dict(queue_id=-1), "queue_id"),
-    (dict(queue_id=True), "queue_id"),
-    (dict(check_immunity_s="60"), "check_immunity_s"),
-    (dict(properties=["k", "v"]), "properties"),
-    (dict(properties={"": "v"}), "properties"),
-    (dict(properties={"k": 1}), "properties['k']"),
-    (dict(properties={"k": "a\x01b"}), "properties['k']"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(topic=""), "topic"),
+        (dict(topic="T" * 128), "topic"),
+        (dict(topic="bad topic!"), "topic"),
+        (dict(topic="_sys_half"), "topic"),
+        (dict(topic="RMQ_SYS_TRANS_HALF_TOPIC"), "topic"),
+        (dict(topic="TBW102"), "topic"),
+        (dict(topic=42), "topic"),
+        (dict(body=None), "body"),
+        (dict(body=b""), "body"),
+        (dict(body="text"), "body"),
+        (dict(body=b"x" * 1025), "body"),
+        (dict(keys=7), "keys"),
+        (dict(tags=b"t"), "tags"),
+        (dict(queue_id=-1), "queue_id"),
+        (dict(queue_id=True), "queue_id"),
+        (dict(check_immunity_s="60"), "check_immunity_s"),
+        (dict(properties=["k", "v"]), "properties"),
+        (dict(properties={"": "v"}), "properties"),
+        (dict(properties={"k": 1}), "properties['k']"),
+        (dict(properties={"k": "a\x01b"}), "properties['k']"),
+    ],
+)
 def test_bad_message_names_the_field_and_writes_nothing(warehouse, kwargs, field):
     from txn_core import Config
+
     with Broker.open(warehouse, config=Config(warehouse=warehouse, max_body_bytes=1024)) as b:
         producer = TransactionProducer(b, "order_group", Scripted())
         fields = dict(topic="ORDER", body=b"x")
@@ -228,8 +257,9 @@ def test_concurrent_sends_share_commits(broker, warehouse):
     def send():
         start.wait()
         for _ in range(5):
-            results.append(producer.send_message_in_transaction(
-                Message(topic="ORDER", body=b"x"), COMMIT))
+            results.append(
+                producer.send_message_in_transaction(Message(topic="ORDER", body=b"x"), COMMIT)
+            )
 
     threads = [threading.Thread(target=send) for _ in range(32)]
     [t.start() for t in threads]
@@ -241,7 +271,9 @@ def test_concurrent_sends_share_commits(broker, warehouse):
     assert counts["_sys/half"] < 160 / 2 and counts["_sys/op"] < 160 / 2
     stats = broker.writer_stats
     assert [(stats[t].commits, stats[t].rows) for t in ("_sys/half", "_sys/op")] == [
-        (counts["_sys/half"], 160), (counts["_sys/op"], 160)]
+        (counts["_sys/half"], 160),
+        (counts["_sys/op"], 160),
+    ]
     assert len(rows(warehouse, "_sys/half")) == 160 and len(rows(warehouse, "_sys/op")) == 160
 
 
@@ -249,15 +281,21 @@ def test_resolve_writes_an_admin_op(producer, broker, warehouse):
     result = producer.send_message_in_transaction(Message(topic="ORDER", body=b"x"), UNKNOWN)
     offset = broker.resolve(result.transaction_id, commit=False, remark="ops ticket 42")
     [op] = rows(warehouse, "_sys/op")
-    assert (op["op_offset"], op["source"], op["action"], op["remark"], op["half_offset"],
-            op["producer_group"]) == (offset, "ADMIN", "ROLLBACK", "ops ticket 42",
-                                      result.half_offset, "order_group")
+    assert (
+        op["op_offset"],
+        op["source"],
+        op["action"],
+        op["remark"],
+        op["half_offset"],
+        op["producer_group"],
+    ) == (offset, "ADMIN", "ROLLBACK", "ops ticket 42", result.half_offset, "order_group")
     with pytest.raises(LookupError, match="no-such-id"):
         broker.resolve("no-such-id", commit=True)
 
 
 def test_closed_broker_refuses_sends(warehouse):
     from txn_core import BrokerClosedError
+
     b = Broker.open(warehouse)
     producer = TransactionProducer(b, "order_group", Scripted())
     b.close()
@@ -269,15 +307,19 @@ def test_unique_columns_are_written_without_a_dictionary(producer, warehouse):
     """Offsets and ids are unique: a dictionary for them is built only to be
     dropped (txn_core.group_commit.plain_encoding). Repeated values keep theirs."""
     import pyarrow.parquet as pq
+
     producer.send_batch_in_transaction(
-        [Message(topic="ORDER", body=b"same", keys="k") for _ in range(50)], COMMIT)
+        [Message(topic="ORDER", body=b"same", keys="k") for _ in range(50)], COMMIT
+    )
 
     def encodings(path: str) -> dict[str, set[str]]:
         table = DeltaTable(os.path.join(warehouse, path))
         meta = pq.ParquetFile(table.file_uris()[0].removeprefix("file://")).metadata
         group = meta.row_group(0)
-        return {group.column(i).path_in_schema: set(group.column(i).encodings)
-                for i in range(group.num_columns)}
+        return {
+            group.column(i).path_in_schema: set(group.column(i).encodings)
+            for i in range(group.num_columns)
+        }
 
     def dictionary(encs: set[str]) -> bool:
         return bool(encs & {"PLAIN_DICTIONARY", "RLE_DICTIONARY"})

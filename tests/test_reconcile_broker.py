@@ -1,4 +1,5 @@
 """The whole protocol through the broker core: send, reconcile, answer checks, resolve."""
+
 from __future__ import annotations
 
 import time
@@ -36,9 +37,15 @@ def test_send_reconcile_check_and_resolve(spark, warehouse, capsys):
     cfg = {"warehouse": warehouse}
     broker = Broker.open(warehouse)
     producer = TransactionProducer(broker, group="order_group", listener=Listener())
-    sent = {k: producer.send_message_in_transaction(
-        Message(topic="ORDER", body=f"body-{k}".encode(), keys=k, tags="t",
-                properties={"p": k}), arg=None) for k in "abcd"}
+    sent = {
+        k: producer.send_message_in_transaction(
+            Message(
+                topic="ORDER", body=f"body-{k}".encode(), keys=k, tags="t", properties={"p": k}
+            ),
+            arg=None,
+        )
+        for k in "abcd"
+    }
     now = int(time.time() * 1000) + 7_000
 
     first = reconcile(spark, cfg, now_ms=now)
@@ -48,17 +55,34 @@ def test_send_reconcile_check_and_resolve(spark, warehouse, capsys):
     second = reconcile(spark, cfg, now_ms=now + 30_000)
     assert (second.committed, second.check_requests) == (1, 1)
 
-    assert main(["resolve", "--warehouse", warehouse,
-                 "--transaction-id", sent["d"].transaction_id, "--commit",
-                 "--remark", "ticket 42"]) == 0
-    assert main(["resolve", "--warehouse", warehouse, "--transaction-id", "no-such-tx",
-                 "--rollback"]) == 1
+    assert (
+        main(
+            [
+                "resolve",
+                "--warehouse",
+                warehouse,
+                "--transaction-id",
+                sent["d"].transaction_id,
+                "--commit",
+                "--remark",
+                "ticket 42",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(["resolve", "--warehouse", warehouse, "--transaction-id", "no-such-tx", "--rollback"])
+        == 1
+    )
     assert "no-such-tx" in capsys.readouterr().err
     third = reconcile(spark, cfg, now_ms=now + 31_000)
     assert third.committed == 1 and third.pending_after == 0
 
     delivered = DeltaTable(topic_path(warehouse, "ORDER")).to_pyarrow_table().to_pylist()
-    assert sorted((r["queue_offset"], r["keys"], r["body"]) for r in delivered) == \
-        [(0, "a", b"body-a"), (1, "c", b"body-c"), (2, "d", b"body-d")]
+    assert sorted((r["queue_offset"], r["keys"], r["body"]) for r in delivered) == [
+        (0, "a", b"body-a"),
+        (1, "c", b"body-c"),
+        (2, "d", b"body-d"),
+    ]
     producer.close()
     broker.close()

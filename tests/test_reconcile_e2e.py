@@ -1,5 +1,6 @@
 """The job end to end on real Delta tables: producer rows written with delta-rs
 (tests/factories.py) so every store_ms is exact, runs with a fixed clock."""
+
 from __future__ import annotations
 
 import os
@@ -26,20 +27,31 @@ def test_runs_resolve_deliver_check_and_discard_across_runs(spark, warehouse):
     cfg = {"warehouse": warehouse, "check_max": 1, "reserved_hours": 1}
     h1, h2, h5 = (fx.half(store_ms=T0 - 1000) for _ in range(3))
     h4 = fx.half(store_ms=T0 - 10_000)
-    h3 = fx.half(store_ms=T0 - 1000, topic="PAY", queue_id=1,
-                 body=bytes(range(256)), keys="k\u00e9 y", tags="t|x",
-                 properties={"\u00fc": "\x00", "empty": ""})
+    h3 = fx.half(
+        store_ms=T0 - 1000,
+        topic="PAY",
+        queue_id=1,
+        body=bytes(range(256)),
+        keys="k\u00e9 y",
+        tags="t|x",
+        properties={"\u00fc": "\x00", "empty": ""},
+    )
     h_unchecked = fx.half(store_ms=T0 - 1000, check_immunity_s=3600)
     h_answered = fx.half(store_ms=T0 - 100_000)
     h_late, h_admin = (fx.half(store_ms=T0 - HOUR - 1) for _ in range(2))
     bad = fx.half(store_ms=T0, topic="no such topic")
-    fx.write_halves(warehouse, h1, h2, h3, h4, h5, h_unchecked, h_answered, h_late, h_admin,
-                    bad)
+    fx.write_halves(warehouse, h1, h2, h3, h4, h5, h_unchecked, h_answered, h_late, h_admin, bad)
     # h2's OP is committed before h1's although its op_offset is larger: commit order wins
     fx.write_ops(warehouse, fx.op(h2, op_offset=900), fx.op(h5, "ROLLBACK"))
-    fx.write_ops(warehouse, fx.op(h1, op_offset=100), fx.op(h3), fx.op(h2),
-                 fx.op(h5, "COMMIT"), fx.op(h4, producer_group="other_group"),
-                 fx.op(fx.half(10**12)))
+    fx.write_ops(
+        warehouse,
+        fx.op(h1, op_offset=100),
+        fx.op(h3),
+        fx.op(h2),
+        fx.op(h5, "COMMIT"),
+        fx.op(h4, producer_group="other_group"),
+        fx.op(fx.half(10**12)),
+    )
 
     first = reconcile(spark, cfg, now_ms=T0)
 
@@ -51,8 +63,10 @@ def test_runs_resolve_deliver_check_and_discard_across_runs(spark, warehouse):
     assert (first.check_requests, first.discarded_expired, first.pending_after) == (2, 2, 3)
     assert first.oldest_pending_age_ms == 100_000 and first.pending_before == 0
     order = rows(topic_path(warehouse, "ORDER"), sort="queue_offset")
-    assert [(r["half_offset"], r["queue_offset"]) for r in order] == \
-        [(h2["half_offset"], 0), (h1["half_offset"], 1)]
+    assert [(r["half_offset"], r["queue_offset"]) for r in order] == [
+        (h2["half_offset"], 0),
+        (h1["half_offset"], 1),
+    ]
     pay = rows(topic_path(warehouse, "PAY"))[0]
     for key in ("body", "keys", "tags", "msg_id", "transaction_id", "born_ms", "queue_id"):
         assert pay[key] == h3[key]
@@ -60,11 +74,14 @@ def test_runs_resolve_deliver_check_and_discard_across_runs(spark, warehouse):
     requests = rows(table_path(warehouse, CHECK_REQUESTS))
     assert [(r["half_offset"], r["check_times"], r["request_id"]) for r in requests] == [
         (h4["half_offset"], 1, f"{first.run_id}-{h4['half_offset']}"),
-        (h_answered["half_offset"], 1, f"{first.run_id}-{h_answered['half_offset']}")]
+        (h_answered["half_offset"], 1, f"{first.run_id}-{h_answered['half_offset']}"),
+    ]
     rejected = rows(table_path(warehouse, REJECTED), sort="reason")
     assert [r["reason"] for r in rejected] == [
-        "INVALID: producer_group mismatch", "INVALID: unknown half_offset",
-        "invalid topic name"]
+        "INVALID: producer_group mismatch",
+        "INVALID: unknown half_offset",
+        "invalid topic name",
+    ]
 
     # Producers answer, decide and override between the runs.
     fx.write_answers(warehouse, fx.answer(requests[1]["request_id"], h_answered, "UNKNOWN"))
@@ -79,20 +96,31 @@ def test_runs_resolve_deliver_check_and_discard_across_runs(spark, warehouse):
     assert second.delivered_by_topic == {"ORDER": 3}
     order = rows(topic_path(warehouse, "ORDER"), sort="queue_offset")
     assert [r["queue_offset"] for r in order] == [0, 1, 2, 3, 4]
-    assert [r["half_offset"] for r in order[2:]] == \
-        [h6["half_offset"], h4["half_offset"], h_admin["half_offset"]]
+    assert [r["half_offset"] for r in order[2:]] == [
+        h6["half_offset"],
+        h4["half_offset"],
+        h_admin["half_offset"],
+    ]
     # bodies joined back from new halves, the pending set and (the override) the discard table
-    assert [(r["body"], r["keys"]) for r in order[2:]] == \
-        [(h["body"], h["keys"]) for h in (h6, h4, h_admin)]
+    assert [(r["body"], r["keys"]) for r in order[2:]] == [
+        (h["body"], h["keys"]) for h in (h6, h4, h_admin)
+    ]
     discard = {r["half_offset"]: r["reason"] for r in rows(table_path(warehouse, DISCARD))}
-    assert discard == {h_late["half_offset"]: "EXPIRED", h_admin["half_offset"]: "EXPIRED",
-                       h_answered["half_offset"]: "MAX_CHECKS"}
+    assert discard == {
+        h_late["half_offset"]: "EXPIRED",
+        h_admin["half_offset"]: "EXPIRED",
+        h_answered["half_offset"]: "MAX_CHECKS",
+    }
     assert second.pending_after == 1 and second.pending_before == 3
 
     versions = _versions(warehouse)
     empty = reconcile(spark, cfg, now_ms=T0 + 40_000)
-    assert (empty.half_read, empty.op_read, empty.check_requests, empty.pending_after) == \
-        (0, 0, 0, 1)
+    assert (empty.half_read, empty.op_read, empty.check_requests, empty.pending_after) == (
+        0,
+        0,
+        0,
+        1,
+    )
     assert empty.prev_op_version == second.op_version == empty.op_version
     assert empty.idle  # h_unchecked's own hour is not over: nothing to compute
     changed = {p for p, v in _versions(warehouse).items() if versions.get(p) != v}
@@ -114,8 +142,7 @@ def test_a_rejected_half_is_never_delivered_even_when_committed(spark, warehouse
     summary = reconcile(spark, {"warehouse": warehouse}, now_ms=T0)
 
     assert (summary.rejected_halves, summary.committed, summary.invalid_ops) == (1, 1, 1)
-    assert [r["half_offset"] for r in rows(topic_path(warehouse, "ORDER"))] == \
-        [good["half_offset"]]
+    assert [r["half_offset"] for r in rows(topic_path(warehouse, "ORDER"))] == [good["half_offset"]]
     assert summary.pending_after == 0
 
 
@@ -147,13 +174,15 @@ def test_delta_rs_reads_check_requests_and_topics_with_change_feed(spark, wareho
         table = DeltaTable(path)
         assert table.to_pyarrow_table().num_rows == 1
         feed = pa.table(table.load_cdf(starting_version=0).read_all()).to_pylist()
-        assert [r["half_offset"] for r in feed if r["_change_type"] == "insert"] == \
-            [message["half_offset"]]
+        assert [r["half_offset"] for r in feed if r["_change_type"] == "insert"] == [
+            message["half_offset"]
+        ]
     # statistics only on the columns a reader seeks by: a topic by (queue_id, queue_offset)
     config = DeltaTable(topic_path(warehouse, "ORDER")).metadata().configuration
     assert config.get("delta.dataSkippingNumIndexedCols") == "2"
-    add = pa.table(DeltaTable(topic_path(warehouse, "ORDER")).get_add_actions(flatten=True)
-                   ).to_pylist()[0]
+    add = pa.table(
+        DeltaTable(topic_path(warehouse, "ORDER")).get_add_actions(flatten=True)
+    ).to_pylist()[0]
     assert add["min.queue_offset"] == 0 and "min.msg_id" not in add
     runs = DeltaTable(table_path(warehouse, RUNS)).metadata().configuration
     assert runs.get("delta.dataSkippingNumIndexedCols") == "2"  # run_id, run_number
@@ -183,8 +212,10 @@ def test_empty_warehouse_run_succeeds_with_zero_counters(spark, warehouse, monke
 
 
 def test_idle_run_writes_one_record_until_something_is_due_or_the_rules_change(
-        spark, warehouse, monkeypatch):
+    spark, warehouse, monkeypatch
+):
     from jobs import job_tables, run_log
+
     monkeypatch.setattr(job_tables, "COMPACT_EVERY_RUNS", 3)  # run 3 compacts the job's tables
     fx.write_halves(warehouse, fx.half(store_ms=0))
     cfg = {"warehouse": warehouse, "transaction_timeout_ms": 60_000}
@@ -199,8 +230,10 @@ def test_idle_run_writes_one_record_until_something_is_due_or_the_rules_change(
     assert idle.idle and (idle.run_number, idle.pending_after, idle.half_read) == (2, 1, 0)
     assert idle.oldest_pending_age_ms == 60_000 and idle.next_due_ms == 60_001
     assert DeltaTable(runs).version() == before + 1  # one COMMITTED row, no intent
-    assert [(r["run_number"], r["status"]) for r in rows(runs, sort="run_number")][-1] == \
-        (2, "COMMITTED")
+    assert [(r["run_number"], r["status"]) for r in rows(runs, sort="run_number")][-1] == (
+        2,
+        "COMMITTED",
+    )
     # A shorter timeout makes the message due at the same clock: a full run checks it.
     due = reconcile(spark, {**cfg, "transaction_timeout_ms": 30_000}, now_ms=60_000)
     assert (due.idle, due.check_requests, due.run_number) == (False, 1, 3)
@@ -209,7 +242,12 @@ def test_idle_run_writes_one_record_until_something_is_due_or_the_rules_change(
     # changing a row or adding to the change feed producers follow
     assert len(DeltaTable(runs).file_uris()) == 1
     assert [(r["run_number"], r["status"]) for r in rows(runs, sort="run_number")] == [
-        (1, "COMMITTED"), (1, "STARTED"), (2, "COMMITTED"), (3, "COMMITTED"), (3, "STARTED")]
+        (1, "COMMITTED"),
+        (1, "STARTED"),
+        (2, "COMMITTED"),
+        (3, "COMMITTED"),
+        (3, "STARTED"),
+    ]
     assert run_log.last_run(warehouse).run_number == 3
     requests = DeltaTable(table_path(warehouse, CHECK_REQUESTS))
     feed = pa.table(requests.load_cdf(starting_version=0).read_all()).to_pylist()
@@ -217,22 +255,49 @@ def test_idle_run_writes_one_record_until_something_is_due_or_the_rules_change(
 
 
 def test_the_cli_predicts_an_idle_run_before_spark_starts_and_starts_it_short_lived(
-        spark, warehouse, monkeypatch):
+    spark, warehouse, monkeypatch
+):
     from jobs import job_tables
     from jobs import reconcile as job
+
     started = []
-    monkeypatch.setattr(job, "_spark", lambda short_lived=False: started.append(short_lived)
-                        or spark)
+    monkeypatch.setattr(
+        job, "_spark", lambda short_lived=False: started.append(short_lived) or spark
+    )
     cfg = {"warehouse": warehouse, "transaction_timeout_ms": 60_000}
     assert not job.idle_ahead(cfg, 1000)  # no run yet: the first one creates the tables
     fx.write_halves(warehouse, fx.half(store_ms=0))
-    assert job.main(["run", "--warehouse", warehouse, "--now-ms", "1000",
-                     "--transaction-timeout-ms", "60000"]) == 0
+    assert (
+        job.main(
+            [
+                "run",
+                "--warehouse",
+                warehouse,
+                "--now-ms",
+                "1000",
+                "--transaction-timeout-ms",
+                "60000",
+            ]
+        )
+        == 0
+    )
     assert job.idle_ahead(cfg, 60_000)  # pending, but immune until 60_001
     assert not job.idle_ahead(cfg, 60_001)  # due: a full run
     assert not job.idle_ahead({**cfg, "transaction_timeout_ms": 30_000}, 60_000)  # new rules
-    assert job.main(["run", "--warehouse", warehouse, "--now-ms", "60000",
-                     "--transaction-timeout-ms", "60000"]) == 0
+    assert (
+        job.main(
+            [
+                "run",
+                "--warehouse",
+                warehouse,
+                "--now-ms",
+                "60000",
+                "--transaction-timeout-ms",
+                "60000",
+            ]
+        )
+        == 0
+    )
     assert started == [False, True]  # run 1 full, run 2 idle in a short-lived JVM
     assert job.idle_ahead(cfg, 60_000)
     monkeypatch.setattr(job_tables, "COMPACT_EVERY_RUNS", 3)
@@ -252,14 +317,17 @@ def _versions(warehouse: str) -> dict[str, int]:
 
 
 def _tree(warehouse: str) -> list[tuple[str, int]]:
-    return sorted((os.path.relpath(os.path.join(r, f), warehouse),
-                   os.path.getsize(os.path.join(r, f)))
-                  for r, _, files in os.walk(warehouse) for f in files)
+    return sorted(
+        (os.path.relpath(os.path.join(r, f), warehouse), os.path.getsize(os.path.join(r, f)))
+        for r, _, files in os.walk(warehouse)
+        for f in files
+    )
 
 
 def test_log_cleaned_beyond_the_cursor_fails_clearly_and_writes_nothing(spark, warehouse):
     from jobs.inputs import HistoryGoneError
     from txn_core.config import load_config
+
     fx.write_halves(warehouse, fx.half(store_ms=0))
     fx.write_halves(warehouse, fx.half(store_ms=0))
     half_path = table_path(warehouse, HALF)

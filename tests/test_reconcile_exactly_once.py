@@ -1,5 +1,6 @@
 """I4: killing a run at any step and running again gives the same tables as a
 run that was never killed. Faults are injected by TXN_FAULT_AT (jobs/faults.py)."""
+
 from __future__ import annotations
 
 import json
@@ -25,10 +26,19 @@ T = 500 * 3_600_000
 NOT_OUTPUTS = {"_sys/half", "_sys/op", "_sys/check_answers", "_sys/producers", "_sys/lease"}
 #: wall-clock columns: the only ones allowed to differ between a redo and a clean run
 WALL_CLOCK = {"started_ms", "ended_ms", "summary_json", "duration_ms"}
-STEPS = ["after_lease", "after_intent", "after:topics/ORDER", "after:topics/PAY",
-         "after:_sys/check_requests",
-         "after:_sys/discard", "after:_sys/resolved", "after:_sys/rejected",
-         "after:_sys/queues", "after:_sys/pending", "after_commit"]
+STEPS = [
+    "after_lease",
+    "after_intent",
+    "after:topics/ORDER",
+    "after:topics/PAY",
+    "after:_sys/check_requests",
+    "after:_sys/discard",
+    "after:_sys/resolved",
+    "after:_sys/rejected",
+    "after:_sys/queues",
+    "after:_sys/pending",
+    "after_commit",
+]
 
 
 def outputs(warehouse: str) -> dict[str, list]:
@@ -42,8 +52,9 @@ def outputs(warehouse: str) -> dict[str, list]:
         if name in NOT_OUTPUTS:
             continue
         rows = DeltaTable(root).to_pyarrow_table().to_pylist()
-        tables[name] = sorted(repr(sorted((k, _plain(v)) for k, v in r.items()
-                                          if k not in WALL_CLOCK)) for r in rows)
+        tables[name] = sorted(
+            repr(sorted((k, _plain(v)) for k, v in r.items() if k not in WALL_CLOCK)) for r in rows
+        )
     return tables
 
 
@@ -57,11 +68,16 @@ def base(tmp_path_factory) -> str:
     """Producer tables whose first run writes every output table."""
     wh = str(tmp_path_factory.mktemp("base") / "warehouse")
     os.makedirs(wh)
-    delivered, checked, expired, waiting = (fx.half(store_ms=T - 100_000), fx.half(store_ms=T - 100_000),
-                                            fx.half(store_ms=T - 73 * 3_600_000), fx.half(store_ms=T))
+    delivered, checked, expired, waiting = (
+        fx.half(store_ms=T - 100_000),
+        fx.half(store_ms=T - 100_000),
+        fx.half(store_ms=T - 73 * 3_600_000),
+        fx.half(store_ms=T),
+    )
     paid = fx.half(store_ms=T - 100_000, topic="PAY")  # two topics: a crash between their commits
-    fx.write_halves(wh, delivered, checked, expired, waiting, paid,
-                    fx.half(store_ms=T, topic="bad topic"))
+    fx.write_halves(
+        wh, delivered, checked, expired, waiting, paid, fx.half(store_ms=T, topic="bad topic")
+    )
     fx.write_ops(wh, fx.op(delivered), fx.op(delivered, "ROLLBACK"), fx.op(paid))
     return wh
 
@@ -90,8 +106,9 @@ def _later() -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("step", STEPS)
-def test_kill_at_step_then_rerun_gives_the_uninterrupted_tables(spark, base, baseline, step,
-                                                                 tmp_path, monkeypatch):
+def test_kill_at_step_then_rerun_gives_the_uninterrupted_tables(
+    spark, base, baseline, step, tmp_path, monkeypatch
+):
     clean_tables, clean_summary = baseline
     wh = _copy(base, tmp_path)
     cfg = {"warehouse": wh}
@@ -110,8 +127,9 @@ def test_kill_at_step_then_rerun_gives_the_uninterrupted_tables(spark, base, bas
         assert redone is None
     else:
         drop = {"duration_ms", "redone_run_id"}
-        assert {k: v for k, v in redone.to_dict().items() if k not in drop} == \
-            {k: v for k, v in clean_summary.to_dict().items() if k not in drop}
+        assert {k: v for k, v in redone.to_dict().items() if k not in drop} == {
+            k: v for k, v in clean_summary.to_dict().items() if k not in drop
+        }
     assert outputs(wh) == clean_tables
 
 
@@ -120,8 +138,12 @@ def test_process_killed_mid_run_is_redone_by_the_next_process(base, baseline, tm
     clean_tables, clean_summary = baseline
     wh = _copy(base, tmp_path)
     cmd = [sys.executable, "-m", "jobs.reconcile", "run", "--warehouse", wh, "--now-ms", str(T)]
-    env = {**os.environ, "TXN_FAULT_AT": "after:_sys/resolved", "TXN_FAULT_MODE": "exit",
-           "PYTHONPATH": REPO}
+    env = {
+        **os.environ,
+        "TXN_FAULT_AT": "after:_sys/resolved",
+        "TXN_FAULT_MODE": "exit",
+        "PYTHONPATH": REPO,
+    }
     killed = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert killed.returncode == FAULT_EXIT_CODE, killed.stderr[-2000:]
     assert killed.stdout == ""
@@ -143,6 +165,7 @@ def test_a_redo_finds_the_tagged_commit_of_its_run_past_untagged_ones(spark, tmp
     from deltalake import write_deltalake
 
     from jobs import tagged_writes
+
     path = str(tmp_path / "t")
     rows = spark.createDataFrame([(1,)], "x int")
     assert not tagged_writes.committed_by_run(path, 7, "t")  # no table yet
@@ -159,9 +182,16 @@ def test_a_redo_finds_the_tagged_commit_of_its_run_past_untagged_ones(spark, tmp
     # beyond the newest commits read first: the whole history is read
     for _ in range(tagged_writes.RECENT_COMMITS):
         write_deltalake(path, DeltaTable(path).to_pyarrow_table().slice(0, 1), mode="append")
-    assert tagged_writes.committed_by_run(path, 8, "t") and not tagged_writes.committed_by_run(path, 8, "x")
+    assert tagged_writes.committed_by_run(path, 8, "t") and not tagged_writes.committed_by_run(
+        path, 8, "x"
+    )
     # a run that crashed under the job before the tags: Delta's txnAppId record
-    (rows.write.format("delta").mode("append").option("txnAppId", "reconcile:legacy")
-     .option("txnVersion", 9).save(path))
+    (
+        rows.write.format("delta")
+        .mode("append")
+        .option("txnAppId", "reconcile:legacy")
+        .option("txnVersion", 9)
+        .save(path)
+    )
     assert tagged_writes.committed_by_run(path, 9, "legacy")
     assert not tagged_writes.committed_by_run(path, 10, "legacy")

@@ -1,4 +1,5 @@
 """One run at a time (exit 75), and the command line's exit codes."""
+
 from __future__ import annotations
 
 import os
@@ -21,9 +22,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jobs.reconcile", *args], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": REPO, **(env or {})},
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "jobs.reconcile", *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_unexpired_lease_of_another_holder_is_refused(warehouse):
@@ -112,8 +118,10 @@ def test_overlapping_run_raises_lease_held_and_changes_no_table(spark, warehouse
     before = DeltaTable(table_path(warehouse, HALF)).version(), sorted(os.listdir(warehouse))
     with pytest.raises(LeaseHeld):
         reconcile(spark, {"warehouse": warehouse}, now_ms=10**9)
-    assert (DeltaTable(table_path(warehouse, HALF)).version(), sorted(os.listdir(warehouse))) \
-        == before
+    assert (
+        DeltaTable(table_path(warehouse, HALF)).version(),
+        sorted(os.listdir(warehouse)),
+    ) == before
     assert not os.path.exists(os.path.join(warehouse, "_sys", "runs"))
     assert other.current().holder == other.holder
 
@@ -128,11 +136,14 @@ def test_cli_exits_75_when_the_lease_is_held_and_writes_nothing(warehouse):
     assert DeltaTable(os.path.join(warehouse, "_sys", "lease")).version() == lease_version
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["run", "--conf", "/nonexistent/reconcile.toml"], "does not exist"),
-    (["run", "--check-budget", "weekly"], "check_budget"),
-    (["run", "--check-max", "-1"], "check_max"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["run", "--conf", "/nonexistent/reconcile.toml"], "does not exist"),
+        (["run", "--check-budget", "weekly"], "check_budget"),
+        (["run", "--check-max", "-1"], "check_max"),
+    ],
+)
 def test_cli_exits_2_on_bad_configuration(tmp_path, args, needle):
     result = _cli(*args, "--warehouse", str(tmp_path / "wh"))
     assert result.returncode == 2
@@ -152,7 +163,12 @@ def test_bad_environment_value_and_bad_arguments_exit_2(tmp_path, capsys):
 
 
 def test_python_dash_m_jobs_is_the_same_command_line():
-    done = subprocess.run([sys.executable, "-m", "jobs", "run", "--help"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs", "run", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: txn-reconcile run") and "--dry-run" in done.stdout

@@ -1,4 +1,5 @@
 """The pyarrow and Spark schemas are derived from one definition and agree."""
+
 import pytest
 from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import MapType, StructType
@@ -25,8 +26,28 @@ def test_arrow_and_spark_schemas_agree(table):
 
 
 def test_spec_column_names_are_fixed():
-    assert HALF.names[:13] == ["half_offset", "transaction_id", "msg_id", "producer_group",
-                               "topic", "queue_id", "tags", "keys", "body", "properties",
-                               "born_ms", "store_ms", "check_immunity_s"]
-    assert OP.names == ["op_offset", "half_offset", "transaction_id", "producer_group",
-                        "action", "source", "store_ms", "remark"]
+    assert HALF.names[:13] == [
+        "half_offset",
+        "transaction_id",
+        "msg_id",
+        "producer_group",
+        "topic",
+        "queue_id",
+        "tags",
+        "keys",
+        "body",
+        "properties",
+        "born_ms",
+        "store_ms",
+        "check_immunity_s",
+    ]
+    assert OP.names == [
+        "op_offset",
+        "half_offset",
+        "transaction_id",
+        "producer_group",
+        "action",
+        "source",
+        "store_ms",
+        "remark",
+    ]

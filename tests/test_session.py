@@ -1,4 +1,5 @@
 """Which jars and JVM options a local SparkSession is given (no Spark started here)."""
+
 import os
 import subprocess
 import sys
@@ -51,8 +52,11 @@ def test_the_class_archive_is_used_when_there_and_short_lived_flags_only_when_as
 def test_a_truncated_class_archive_is_never_installed(tmp_path):
     # A JVM given a truncated archive dies of SIGBUS: the builder must catch it.
     made = tmp_path / "small.jsa"
-    subprocess.run([build_class_archive.java(), f"-XX:ArchiveClassesAtExit={made}", "-version"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [build_class_archive.java(), f"-XX:ArchiveClassesAtExit={made}", "-version"],
+        check=True,
+        capture_output=True,
+    )
     assert build_class_archive.loads(made)
     cut = tmp_path / "cut.jsa"
     cut.write_bytes(made.read_bytes()[:4096])
@@ -70,6 +74,7 @@ def test_the_class_archive_is_rebuilt_when_older_than_the_jars(tmp_path, monkeyp
     os.utime(archive, (2, 2))
     assert not build_class_archive.up_to_date(archive)  # pyspark's jars are newer still
     import pyspark
+
     pyspark_jars = Path(pyspark.__file__).parent / "jars"
     newest = max(pyspark_jars.stat().st_mtime, 3)
     os.utime(archive, (newest + 1, newest + 1))
@@ -83,11 +88,14 @@ def test_the_driver_logs_at_warn_without_the_warnings_of_a_healthy_run(spark):
     every run prints (a local checkpoint freed on purpose, Delta's duplicated
     change-feed options, commit timestamps that tie) are quiet."""
     from jobs.session import LOG_CONFIG
+
     assert f"-Dlog4j2.configurationFile={LOG_CONFIG}" in driver_java_options()
     manager = spark.sparkContext._jvm.org.apache.logging.log4j.LogManager
     assert str(manager.getRootLogger().getLevel()) == "WARN"
-    for quiet in ("org.apache.spark.rdd.MapPartitionsRDD",
-                  "org.apache.spark.sql.util.CaseInsensitiveStringMap",
-                  "org.apache.spark.sql.delta.DeltaHistoryManager"):
+    for quiet in (
+        "org.apache.spark.rdd.MapPartitionsRDD",
+        "org.apache.spark.sql.util.CaseInsensitiveStringMap",
+        "org.apache.spark.sql.delta.DeltaHistoryManager",
+    ):
         assert str(manager.getLogger(quiet).getLevel()) == "ERROR", quiet
     assert str(manager.getLogger("org.apache.spark.sql.delta.DeltaLog").getLevel()) == "WARN"

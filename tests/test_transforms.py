@@ -1,4 +1,5 @@
 """The rules of SPEC §5.2 on in-memory DataFrames (no tables): one test per boundary."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,16 +17,26 @@ NOW = 1_000_000
 
 
 def rules(**kw) -> T.Rules:
-    base = dict(run_id="run-7", run_number=7, now_ms=NOW, transaction_timeout_ms=6000,
-                check_max=15, check_interval_ms=30000, reserved_ms=72 * 3_600_000,
-                max_checks_per_run=0, check_budget="answered")
+    base = dict(
+        run_id="run-7",
+        run_number=7,
+        now_ms=NOW,
+        transaction_timeout_ms=6000,
+        check_max=15,
+        check_interval_ms=30000,
+        reserved_ms=72 * 3_600_000,
+        max_checks_per_run=0,
+        check_budget="answered",
+    )
     base.update(kw)
     return T.Rules(**base)
 
 
 def pending_df(spark, *rows: dict):
-    full = [{"checks_sent": 0, "checks_undecided": 0, "last_check_ms": None,
-             "run_number": 1, **r} for r in rows]
+    full = [
+        {"checks_sent": 0, "checks_undecided": 0, "last_check_ms": None, "run_number": 1, **r}
+        for r in rows
+    ]
     return spark.createDataFrame(full, spark_schema(PENDING))
 
 
@@ -46,6 +57,7 @@ def decisions(spark, r: T.Rules, *rows: dict) -> dict[int, str]:
 
 # --- age, immunity, interval, expiry --------------------------------------------------------
 
+
 def test_age_equal_to_immunity_is_immune_and_one_ms_more_is_checked(spark):
     r = rules()
     got = decisions(spark, r, fx.half(1, store_ms=NOW - 6000), fx.half(2, store_ms=NOW - 6001))
@@ -54,13 +66,22 @@ def test_age_equal_to_immunity_is_immune_and_one_ms_more_is_checked(spark):
 
 def test_per_message_immunity_overrides_the_default_and_negative_means_default(spark):
     r = rules()
-    got = decisions(spark, r,
-                    fx.half(1, store_ms=NOW - 60_000, check_immunity_s=60),   # exactly 60 s: immune
-                    fx.half(2, store_ms=NOW - 60_001, check_immunity_s=60),   # 1 ms past: checked
-                    fx.half(3, store_ms=NOW - 1, check_immunity_s=0),         # no floor
-                    fx.half(4, store_ms=NOW - 6000, check_immunity_s=-1),     # default 6 s: immune
-                    fx.half(5, store_ms=NOW - 5000, check_immunity_s=None))
-    assert got == {1: Decision.WAIT, 2: Decision.CHECK, 3: Decision.CHECK, 4: Decision.WAIT, 5: Decision.WAIT}
+    got = decisions(
+        spark,
+        r,
+        fx.half(1, store_ms=NOW - 60_000, check_immunity_s=60),  # exactly 60 s: immune
+        fx.half(2, store_ms=NOW - 60_001, check_immunity_s=60),  # 1 ms past: checked
+        fx.half(3, store_ms=NOW - 1, check_immunity_s=0),  # no floor
+        fx.half(4, store_ms=NOW - 6000, check_immunity_s=-1),  # default 6 s: immune
+        fx.half(5, store_ms=NOW - 5000, check_immunity_s=None),
+    )
+    assert got == {
+        1: Decision.WAIT,
+        2: Decision.CHECK,
+        3: Decision.CHECK,
+        4: Decision.WAIT,
+        5: Decision.WAIT,
+    }
 
 
 def test_message_stored_in_the_future_has_age_zero(spark):
@@ -73,34 +94,49 @@ def test_message_stored_in_the_future_has_age_zero(spark):
 def test_check_interval_is_respected(spark):
     r = rules()
     old = NOW - 100_000
-    got = decisions(spark, r,
-                    fx.half(1, store_ms=old, checks_sent=1, last_check_ms=NOW - 29_999),
-                    fx.half(2, store_ms=old, checks_sent=1, last_check_ms=NOW - 30_000))
+    got = decisions(
+        spark,
+        r,
+        fx.half(1, store_ms=old, checks_sent=1, last_check_ms=NOW - 29_999),
+        fx.half(2, store_ms=old, checks_sent=1, last_check_ms=NOW - 30_000),
+    )
     assert got == {1: Decision.WAIT, 2: Decision.CHECK}
 
 
 def test_expire_after_reserved_hours_without_check(spark):
     r = rules(reserved_ms=3_600_000)
-    got = decisions(spark, r, fx.half(1, store_ms=NOW - 3_600_000),
-                    fx.half(2, store_ms=NOW - 3_600_001))
+    got = decisions(
+        spark, r, fx.half(1, store_ms=NOW - 3_600_000), fx.half(2, store_ms=NOW - 3_600_001)
+    )
     assert got == {1: Decision.CHECK, 2: Decision.EXPIRED}
-    out = T.discards(T.decide(pending_df(spark, fx.half(2, store_ms=NOW - 3_600_001,
-                                                        checks_sent=3)), r), r)
+    out = T.discards(
+        T.decide(pending_df(spark, fx.half(2, store_ms=NOW - 3_600_001, checks_sent=3)), r), r
+    )
     row = out.first()
-    assert (row["reason"], row["check_times"], row["discarded_ms"], row["run_id"]) == \
-        ("EXPIRED", 3, NOW, "run-7")
+    assert (row["reason"], row["check_times"], row["discarded_ms"], row["run_id"]) == (
+        "EXPIRED",
+        3,
+        NOW,
+        "run-7",
+    )
 
 
 def test_max_checks_per_run_takes_the_oldest_first(spark):
     r = rules(max_checks_per_run=2)
-    got = decisions(spark, r, fx.half(10, store_ms=NOW - 50_000),
-                    fx.half(11, store_ms=NOW - 90_000), fx.half(12, store_ms=NOW - 70_000),
-                    fx.half(9, store_ms=NOW - 70_000))
+    got = decisions(
+        spark,
+        r,
+        fx.half(10, store_ms=NOW - 50_000),
+        fx.half(11, store_ms=NOW - 90_000),
+        fx.half(12, store_ms=NOW - 70_000),
+        fx.half(9, store_ms=NOW - 70_000),
+    )
     # 11 is oldest; 9 and 12 tie on store_ms and half_offset breaks the tie
     assert got == {11: Decision.CHECK, 9: Decision.CHECK, 12: Decision.WAIT, 10: Decision.WAIT}
 
 
 # --- check_max in both budget modes --------------------------------------------------------
+
 
 def _simulate_checks(spark, budget: str, answer_each_check: bool) -> tuple[int, str]:
     """Run the check rules run after run, 30 s apart, on one never-decided message."""
@@ -123,9 +159,12 @@ def _simulate_checks(spark, budget: str, answer_each_check: bool) -> tuple[int, 
         pend = T.next_pending(decided, r)
         if answer_each_check:
             answers = spark.createDataFrame(
-                [fx.answer(req["request_id"], msg, "UNKNOWN"),
-                 fx.answer(req["request_id"], msg, "UNKNOWN")],  # a duplicate counts once
-                spark_schema(CHECK_ANSWERS))
+                [
+                    fx.answer(req["request_id"], msg, "UNKNOWN"),
+                    fx.answer(req["request_id"], msg, "UNKNOWN"),
+                ],  # a duplicate counts once
+                spark_schema(CHECK_ANSWERS),
+            )
             pend = T.apply_answers(pend, answers)
         # materialise each run, as the job does by writing `_sys/pending`
         pend = spark.createDataFrame(T.conform(pend, PENDING).collect(), spark_schema(PENDING))
@@ -139,63 +178,100 @@ def test_exactly_check_max_checks_then_discard_when_due_again(spark, budget, ans
 
 def test_answered_budget_is_not_burnt_by_unanswered_checks(spark):
     r = rules(check_budget="answered", check_max=2)
-    got = decisions(spark, r, fx.half(1, store_ms=0, checks_sent=5, checks_undecided=1),
-                    fx.half(2, store_ms=0, checks_sent=2, checks_undecided=2))
+    got = decisions(
+        spark,
+        r,
+        fx.half(1, store_ms=0, checks_sent=5, checks_undecided=1),
+        fx.half(2, store_ms=0, checks_sent=2, checks_undecided=2),
+    )
     assert got == {1: Decision.CHECK, 2: Decision.MAX_CHECKS}
 
 
 def test_answers_of_another_group_or_transaction_do_not_count(spark):
     msg = fx.half(1, store_ms=0)
     answers = spark.createDataFrame(
-        [fx.answer("a", msg, "UNKNOWN"), fx.answer("b", msg, "ERROR"),
-         fx.answer("c", msg, "COMMIT"),
-         {**fx.answer("d", msg, "UNKNOWN"), "producer_group": "other"},
-         {**fx.answer("e", msg, "UNKNOWN"), "transaction_id": "tx-x"}],
-        spark_schema(CHECK_ANSWERS))
+        [
+            fx.answer("a", msg, "UNKNOWN"),
+            fx.answer("b", msg, "ERROR"),
+            fx.answer("c", msg, "COMMIT"),
+            {**fx.answer("d", msg, "UNKNOWN"), "producer_group": "other"},
+            {**fx.answer("e", msg, "UNKNOWN"), "transaction_id": "tx-x"},
+        ],
+        spark_schema(CHECK_ANSWERS),
+    )
     out = T.apply_answers(pending_df(spark, msg), answers)
     assert out.select("checks_undecided").first()[0] == 2
 
 
 # --- OP resolution ---------------------------------------------------------------------
 
+
 def _outcomes(spark, live_rows, ops, history=None):
     live = pending_df(spark, *live_rows)
-    hist = history if history is not None else T.history_targets(
-        spark.createDataFrame([], spark_schema(RESOLVED)),
-        spark.createDataFrame([], spark_schema(DISCARD)))
+    hist = (
+        history
+        if history is not None
+        else T.history_targets(
+            spark.createDataFrame([], spark_schema(RESOLVED)),
+            spark.createDataFrame([], spark_schema(DISCARD)),
+        )
+    )
     classified = T.classify_ops(ops_df(spark, *ops), T.op_targets(T.message_keys(live), hist))
-    return {r["op_offset"]: (r["outcome"], r["reason"])
-            for r in classified.select("op_offset", "outcome", "reason").collect()}
+    return {
+        r["op_offset"]: (r["outcome"], r["reason"])
+        for r in classified.select("op_offset", "outcome", "reason").collect()
+    }
 
 
 def test_first_valid_op_in_commit_order_wins_not_lowest_op_offset(spark):
     h = fx.half(1)
-    got = _outcomes(spark, [h], [(fx.op(h, "ROLLBACK", op_offset=5), 3),
-                                 (fx.op(h, "COMMIT", op_offset=900), 2),
-                                 (fx.op(h, "COMMIT", op_offset=901), 2)])
-    assert got == {900: (OpOutcome.WIN, None), 901: (OpOutcome.DUPLICATE, None), 5: (OpOutcome.CONFLICT, None)}
+    got = _outcomes(
+        spark,
+        [h],
+        [
+            (fx.op(h, "ROLLBACK", op_offset=5), 3),
+            (fx.op(h, "COMMIT", op_offset=900), 2),
+            (fx.op(h, "COMMIT", op_offset=901), 2),
+        ],
+    )
+    assert got == {
+        900: (OpOutcome.WIN, None),
+        901: (OpOutcome.DUPLICATE, None),
+        5: (OpOutcome.CONFLICT, None),
+    }
 
 
 def test_invalid_ops_are_counted_and_a_later_valid_op_wins(spark):
     h = fx.half(1)
-    got = _outcomes(spark, [h], [
-        (fx.op(h, op_offset=1, producer_group="other"), 1),
-        (fx.op(h, op_offset=2, transaction_id="tx-forged"), 1),
-        (fx.op(h, op_offset=3, action="MAYBE"), 1),
-        (fx.op(h, op_offset=4, source="SOMEONE"), 1),
-        (fx.op(fx.half(99), op_offset=5), 1),
-        (fx.op(h, op_offset=6), 2)])
-    assert got == {1: (OpOutcome.INVALID, "producer_group mismatch"),
-                   2: (OpOutcome.INVALID, "transaction_id mismatch"),
-                   3: (OpOutcome.INVALID, "invalid action"), 4: (OpOutcome.INVALID, "invalid source"),
-                   5: (OpOutcome.INVALID, "unknown half_offset"), 6: (OpOutcome.WIN, None)}
+    got = _outcomes(
+        spark,
+        [h],
+        [
+            (fx.op(h, op_offset=1, producer_group="other"), 1),
+            (fx.op(h, op_offset=2, transaction_id="tx-forged"), 1),
+            (fx.op(h, op_offset=3, action="MAYBE"), 1),
+            (fx.op(h, op_offset=4, source="SOMEONE"), 1),
+            (fx.op(fx.half(99), op_offset=5), 1),
+            (fx.op(h, op_offset=6), 2),
+        ],
+    )
+    assert got == {
+        1: (OpOutcome.INVALID, "producer_group mismatch"),
+        2: (OpOutcome.INVALID, "transaction_id mismatch"),
+        3: (OpOutcome.INVALID, "invalid action"),
+        4: (OpOutcome.INVALID, "invalid source"),
+        5: (OpOutcome.INVALID, "unknown half_offset"),
+        6: (OpOutcome.WIN, None),
+    }
 
 
 def test_only_the_live_messages_no_valid_op_decided_remain_pending(spark):
     decided, forged, silent = fx.half(1), fx.half(2), fx.half(3)
-    ops = [(fx.op(decided, op_offset=10), 1),
-           (fx.op(forged, op_offset=11, producer_group="other"), 1),
-           (fx.op(fx.half(99), op_offset=12), 2)]
+    ops = [
+        (fx.op(decided, op_offset=10), 1),
+        (fx.op(forged, op_offset=11, producer_group="other"), 1),
+        (fx.op(fx.half(99), op_offset=12), 2),
+    ]
     live = T.message_keys(pending_df(spark, decided, forged, silent))
     assert live.columns == list(T.MESSAGE_KEY_COLUMNS)
     classified = T.classify_ops(ops_df(spark, *ops), T.op_targets(live, _history(spark)))
@@ -206,37 +282,56 @@ def test_only_the_live_messages_no_valid_op_decided_remain_pending(spark):
 
 def test_an_op_row_written_twice_wins_once(spark):
     live_msg, old = fx.half(1), fx.half(2)
-    twice = [(fx.op(live_msg, op_offset=7), 3), (fx.op(live_msg, op_offset=7), 3),
-             (fx.op(old, op_offset=8, source="ADMIN"), 3),
-             (fx.op(old, op_offset=8, source="ADMIN"), 3)]
+    twice = [
+        (fx.op(live_msg, op_offset=7), 3),
+        (fx.op(live_msg, op_offset=7), 3),
+        (fx.op(old, op_offset=8, source="ADMIN"), 3),
+        (fx.op(old, op_offset=8, source="ADMIN"), 3),
+    ]
     live = T.message_keys(pending_df(spark, live_msg))
     history = _history(spark, discarded=[_discarded(old)])
     classified = T.classify_ops(ops_df(spark, *twice), T.op_targets(live, history))
     assert sorted((r.half_offset, r.outcome) for r in classified.collect()) == [
-        (1, OpOutcome.DUPLICATE), (1, OpOutcome.WIN), (2, OpOutcome.DUPLICATE), (2, OpOutcome.WIN)]
+        (1, OpOutcome.DUPLICATE),
+        (1, OpOutcome.WIN),
+        (2, OpOutcome.DUPLICATE),
+        (2, OpOutcome.WIN),
+    ]
 
 
 def test_live_messages_are_classified_alike_without_ranking_admin_ops(spark):
     """`discards=False` (the run's first pass, against live messages only)
     must give every OP the outcome the full ranking gives it."""
     a, b, c = fx.half(1), fx.half(2), fx.half(3)
-    ops = ops_df(spark,
-                 (fx.op(a, "ROLLBACK", op_offset=9, source="ADMIN"), 2),
-                 (fx.op(a, "COMMIT", op_offset=3), 2),
-                 (fx.op(a, "MAYBE", op_offset=4), 1),
-                 (fx.op(a, "ROLLBACK", op_offset=1), 3),
-                 (fx.op(b, op_offset=5), 1), (fx.op(b, op_offset=5), 1),
-                 (fx.op(b, op_offset=6, source="ADMIN"), 1),
-                 (fx.op(b, op_offset=7, producer_group="other"), 1),
-                 (fx.op(c, "ROLLBACK", op_offset=8, source="CHECK"), 4),
-                 (fx.op(fx.half(99), op_offset=10), 1))
+    ops = ops_df(
+        spark,
+        (fx.op(a, "ROLLBACK", op_offset=9, source="ADMIN"), 2),
+        (fx.op(a, "COMMIT", op_offset=3), 2),
+        (fx.op(a, "MAYBE", op_offset=4), 1),
+        (fx.op(a, "ROLLBACK", op_offset=1), 3),
+        (fx.op(b, op_offset=5), 1),
+        (fx.op(b, op_offset=5), 1),
+        (fx.op(b, op_offset=6, source="ADMIN"), 1),
+        (fx.op(b, op_offset=7, producer_group="other"), 1),
+        (fx.op(c, "ROLLBACK", op_offset=8, source="CHECK"), 4),
+        (fx.op(fx.half(99), op_offset=10), 1),
+    )
     targets = T.op_targets(T.message_keys(pending_df(spark, a, b, c)), _history(spark))
     lean = T.classify_ops(ops, targets, discards=False)
     full = T.classify_ops(ops, targets)
     assert_df_equality(lean, full, ignore_row_order=True, ignore_nullable=True)
     assert sorted((r.op_offset, r.outcome) for r in lean.collect()) == [
-        (1, OpOutcome.CONFLICT), (3, OpOutcome.WIN), (4, OpOutcome.INVALID), (5, OpOutcome.DUPLICATE), (5, OpOutcome.WIN),
-        (6, OpOutcome.DUPLICATE), (7, OpOutcome.INVALID), (8, OpOutcome.WIN), (9, OpOutcome.CONFLICT), (10, OpOutcome.INVALID)]
+        (1, OpOutcome.CONFLICT),
+        (3, OpOutcome.WIN),
+        (4, OpOutcome.INVALID),
+        (5, OpOutcome.DUPLICATE),
+        (5, OpOutcome.WIN),
+        (6, OpOutcome.DUPLICATE),
+        (7, OpOutcome.INVALID),
+        (8, OpOutcome.WIN),
+        (9, OpOutcome.CONFLICT),
+        (10, OpOutcome.INVALID),
+    ]
 
 
 def _history(spark, resolved=(), discarded=()):
@@ -246,10 +341,19 @@ def _history(spark, resolved=(), discarded=()):
 
 
 def _resolved(h, action, after_discard=False):
-    return {"half_offset": h["half_offset"], "transaction_id": h["transaction_id"],
-            "producer_group": h["producer_group"], "topic": h["topic"], "action": action,
-            "source": "PRODUCER", "op_offset": 1, "op_version": 1, "op_store_ms": 1,
-            "after_discard": after_discard, "run_id": "run-1"}
+    return {
+        "half_offset": h["half_offset"],
+        "transaction_id": h["transaction_id"],
+        "producer_group": h["producer_group"],
+        "topic": h["topic"],
+        "action": action,
+        "source": "PRODUCER",
+        "op_offset": 1,
+        "op_version": 1,
+        "op_store_ms": 1,
+        "after_discard": after_discard,
+        "run_id": "run-1",
+    }
 
 
 def _discarded(h):
@@ -258,36 +362,58 @@ def _discarded(h):
 
 def test_ops_for_messages_resolved_earlier_are_duplicates_or_conflicts(spark):
     h = fx.half(1)
-    got = _outcomes(spark, [], [(fx.op(h, "ROLLBACK", op_offset=1), 4),
-                                (fx.op(h, "COMMIT", op_offset=2), 4)],
-                    history=_history(spark, resolved=[_resolved(h, "ROLLBACK")]))
+    got = _outcomes(
+        spark,
+        [],
+        [(fx.op(h, "ROLLBACK", op_offset=1), 4), (fx.op(h, "COMMIT", op_offset=2), 4)],
+        history=_history(spark, resolved=[_resolved(h, "ROLLBACK")]),
+    )
     assert got == {1: (OpOutcome.DUPLICATE, None), 2: (OpOutcome.CONFLICT, None)}
 
 
 def test_after_discard_producer_and_check_ops_are_late_admin_wins(spark):
     h = fx.half(1)
-    got = _outcomes(spark, [], [(fx.op(h, "COMMIT", op_offset=1, source="PRODUCER"), 4),
-                                (fx.op(h, "COMMIT", op_offset=2, source="CHECK"), 4),
-                                (fx.op(h, "ROLLBACK", op_offset=3, source="ADMIN"), 5),
-                                (fx.op(h, "COMMIT", op_offset=4, source="ADMIN"), 6)],
-                    history=_history(spark, discarded=[_discarded(h)]))
-    assert got == {1: (OpOutcome.LATE, "message discarded"), 2: (OpOutcome.LATE, "message discarded"),
-                   3: (OpOutcome.WIN, None), 4: (OpOutcome.CONFLICT, None)}
+    got = _outcomes(
+        spark,
+        [],
+        [
+            (fx.op(h, "COMMIT", op_offset=1, source="PRODUCER"), 4),
+            (fx.op(h, "COMMIT", op_offset=2, source="CHECK"), 4),
+            (fx.op(h, "ROLLBACK", op_offset=3, source="ADMIN"), 5),
+            (fx.op(h, "COMMIT", op_offset=4, source="ADMIN"), 6),
+        ],
+        history=_history(spark, discarded=[_discarded(h)]),
+    )
+    assert got == {
+        1: (OpOutcome.LATE, "message discarded"),
+        2: (OpOutcome.LATE, "message discarded"),
+        3: (OpOutcome.WIN, None),
+        4: (OpOutcome.CONFLICT, None),
+    }
 
 
 def test_after_admin_override_of_a_discard_producer_ops_stay_late(spark):
     h = fx.half(1)
-    got = _outcomes(spark, [], [(fx.op(h, "COMMIT", op_offset=1), 4),
-                                (fx.op(h, "COMMIT", op_offset=2, source="ADMIN"), 4)],
-                    history=_history(spark, resolved=[_resolved(h, "COMMIT", True)],
-                                     discarded=[_discarded(h)]))
+    got = _outcomes(
+        spark,
+        [],
+        [
+            (fx.op(h, "COMMIT", op_offset=1), 4),
+            (fx.op(h, "COMMIT", op_offset=2, source="ADMIN"), 4),
+        ],
+        history=_history(spark, resolved=[_resolved(h, "COMMIT", True)], discarded=[_discarded(h)]),
+    )
     assert got == {1: (OpOutcome.LATE, "message discarded"), 2: (OpOutcome.DUPLICATE, None)}
 
 
 def test_ops_naming_no_live_message_are_classified_again_against_the_history(spark):
     live_msg, old = fx.half(1), fx.half(2)
-    ops = ops_df(spark, (fx.op(live_msg, op_offset=1), 1), (fx.op(old, "COMMIT", op_offset=2), 1),
-                 (fx.op(old, "ROLLBACK", op_offset=3), 2))
+    ops = ops_df(
+        spark,
+        (fx.op(live_msg, op_offset=1), 1),
+        (fx.op(old, "COMMIT", op_offset=2), 1),
+        (fx.op(old, "ROLLBACK", op_offset=3), 2),
+    )
     live = T.message_keys(pending_df(spark, live_msg))
     history = _history(spark, resolved=[_resolved(old, "ROLLBACK")])
     first = T.classify_ops(ops, T.op_targets(live, _history(spark)))
@@ -295,34 +421,52 @@ def test_ops_naming_no_live_message_are_classified_again_against_the_history(spa
 
     def outcomes(classified):
         return sorted((r.op_offset, r.outcome, r.reason) for r in classified.collect())
-    assert outcomes(first)[1:] == [(2, OpOutcome.INVALID, T.UNKNOWN_OFFSET),
-                                   (3, OpOutcome.INVALID, T.UNKNOWN_OFFSET)]
-    assert outcomes(again) == outcomes(T.classify_ops(ops, T.op_targets(live, history))) == [
-        (1, OpOutcome.WIN, None), (2, OpOutcome.CONFLICT, None), (3, OpOutcome.DUPLICATE, None)]
+
+    assert outcomes(first)[1:] == [
+        (2, OpOutcome.INVALID, T.UNKNOWN_OFFSET),
+        (3, OpOutcome.INVALID, T.UNKNOWN_OFFSET),
+    ]
+    assert (
+        outcomes(again)
+        == outcomes(T.classify_ops(ops, T.op_targets(live, history)))
+        == [(1, OpOutcome.WIN, None), (2, OpOutcome.CONFLICT, None), (3, OpOutcome.DUPLICATE, None)]
+    )
 
 
 # --- deliveries ------------------------------------------------------------------------
 
+
 def test_deliveries_dense_per_queue_in_commit_order_continuing_previous(spark):
     r = rules()
-    hs = [fx.half(1, queue_id=0), fx.half(2, queue_id=0), fx.half(3, queue_id=1),
-          fx.half(4, queue_id=0, topic="PAY")]
-    ops = [(fx.op(hs[0], op_offset=50), 9), (fx.op(hs[1], op_offset=70), 8),
-           (fx.op(hs[2], op_offset=1), 8), (fx.op(hs[3], op_offset=2), 9)]
+    hs = [
+        fx.half(1, queue_id=0),
+        fx.half(2, queue_id=0),
+        fx.half(3, queue_id=1),
+        fx.half(4, queue_id=0, topic="PAY"),
+    ]
+    ops = [
+        (fx.op(hs[0], op_offset=50), 9),
+        (fx.op(hs[1], op_offset=70), 8),
+        (fx.op(hs[2], op_offset=1), 8),
+        (fx.op(hs[3], op_offset=2), 9),
+    ]
     live = pending_df(spark, *hs)
-    won = T.winners(T.classify_ops(ops_df(spark, *ops),
-                                   T.op_targets(T.message_keys(live), _history(spark))))
-    queues = spark.createDataFrame([{"topic": "ORDER", "queue_id": 0, "next_queue_offset": 10,
-                                     "run_number": 3}], spark_schema(QUEUES))
+    won = T.winners(
+        T.classify_ops(ops_df(spark, *ops), T.op_targets(T.message_keys(live), _history(spark)))
+    )
+    queues = spark.createDataFrame(
+        [{"topic": "ORDER", "queue_id": 0, "next_queue_offset": 10, "run_number": 3}],
+        spark_schema(QUEUES),
+    )
     positions = T.queue_positions(won, queues)
     settled = T.with_bodies(positions, live)
     got = T.deliveries(settled, r).select("topic", "queue_id", "queue_offset", "half_offset")
     expected = spark.createDataFrame(
         [("ORDER", 0, 10, 2), ("ORDER", 0, 11, 1), ("ORDER", 1, 0, 3), ("PAY", 0, 0, 4)],
-        "topic string, queue_id int, queue_offset long, half_offset long")
+        "topic string, queue_id int, queue_offset long, half_offset long",
+    )
     assert_df_equality(got, expected, ignore_row_order=True, ignore_nullable=True)
-    nxt = T.next_queues(queues, positions, r).select(
-        "topic", "queue_id", "next_queue_offset")
+    nxt = T.next_queues(queues, positions, r).select("topic", "queue_id", "next_queue_offset")
     assert sorted(map(tuple, nxt.collect())) == [("ORDER", 0, 12), ("ORDER", 1, 1), ("PAY", 0, 1)]
 
 
@@ -332,18 +476,34 @@ def test_queue_ends_say_what_queue_positions_will(spark):
     last offset as `queue_positions` then gives (a queue with a previous
     end, new queues, a rollback that takes no place, two COMMITs of one
     message that deliver it once)."""
-    hs = [fx.half(1, queue_id=0), fx.half(2, queue_id=0), fx.half(3, queue_id=1),
-          fx.half(4, queue_id=0, topic="PAY"), fx.half(5, queue_id=0)]
-    ops = [(fx.op(hs[0], op_offset=50), 9), (fx.op(hs[1], op_offset=70), 8),
-           (fx.op(hs[1], op_offset=71), 9), (fx.op(hs[2], op_offset=1), 8),
-           (fx.op(hs[3], op_offset=2), 9), (fx.op(hs[4], "ROLLBACK", op_offset=3), 9)]
+    hs = [
+        fx.half(1, queue_id=0),
+        fx.half(2, queue_id=0),
+        fx.half(3, queue_id=1),
+        fx.half(4, queue_id=0, topic="PAY"),
+        fx.half(5, queue_id=0),
+    ]
+    ops = [
+        (fx.op(hs[0], op_offset=50), 9),
+        (fx.op(hs[1], op_offset=70), 8),
+        (fx.op(hs[1], op_offset=71), 9),
+        (fx.op(hs[2], op_offset=1), 8),
+        (fx.op(hs[3], op_offset=2), 9),
+        (fx.op(hs[4], "ROLLBACK", op_offset=3), 9),
+    ]
     live = pending_df(spark, *hs)
-    won = T.winners(T.classify_ops(ops_df(spark, *ops),
-                                   T.op_targets(T.message_keys(live), _history(spark))))
-    queues = spark.createDataFrame([{"topic": "ORDER", "queue_id": 0, "next_queue_offset": 10,
-                                     "run_number": 3}], spark_schema(QUEUES))
-    placed = (T.queue_positions(won, queues).groupBy("topic", "queue_id")
-              .agg(F.count(F.lit(1)), F.max("queue_offset")))
+    won = T.winners(
+        T.classify_ops(ops_df(spark, *ops), T.op_targets(T.message_keys(live), _history(spark)))
+    )
+    queues = spark.createDataFrame(
+        [{"topic": "ORDER", "queue_id": 0, "next_queue_offset": 10, "run_number": 3}],
+        spark_schema(QUEUES),
+    )
+    placed = (
+        T.queue_positions(won, queues)
+        .groupBy("topic", "queue_id")
+        .agg(F.count(F.lit(1)), F.max("queue_offset"))
+    )
     expected = [("ORDER", 0, 2, 11), ("ORDER", 1, 1, 0), ("PAY", 0, 1, 0)]
     assert sorted(map(tuple, placed.collect())) == expected
     assert sorted(map(tuple, T.queue_ends(won, queues).collect())) == expected
@@ -353,27 +513,46 @@ def test_delivered_row_carries_the_message_byte_identical(spark):
     body = bytes(range(256)) * 3
     h = fx.half(1, body=body, tags="t\u00e9", keys="k 1", properties={"\u00fc": "\x00v"})
     live = pending_df(spark, h)
-    won = T.winners(T.classify_ops(ops_df(spark, (fx.op(h, store_ms=77), 1)),
-                                   T.op_targets(T.message_keys(live), _history(spark))))
+    won = T.winners(
+        T.classify_ops(
+            ops_df(spark, (fx.op(h, store_ms=77), 1)),
+            T.op_targets(T.message_keys(live), _history(spark)),
+        )
+    )
     empty_q = spark.createDataFrame([], spark_schema(QUEUES))
     positions = T.queue_positions(won, empty_q)
     row = T.deliveries(T.with_bodies(positions, live), rules()).first()
-    assert (row["body"], row["tags"], row["keys"], row["properties"]) == \
-        (body, "t\u00e9", "k 1", {"\u00fc": "\x00v"})
+    assert (row["body"], row["tags"], row["keys"], row["properties"]) == (
+        body,
+        "t\u00e9",
+        "k 1",
+        {"\u00fc": "\x00v"},
+    )
     assert (row["commit_ms"], row["delivered_ms"], row["queue_offset"]) == (77, NOW, 0)
     assert [c for c in row.asDict() if c != "topic"] == TOPIC.names
 
 
 def test_rejected_halves_are_set_aside_with_a_reason(spark):
     r = rules()
-    rows = [fx.half(1), fx.half(2, topic="bad topic!"), fx.half(3, topic="_sys_half"),
-            fx.half(4, queue_id=-1), fx.half(5, topic="x" * 128)]
+    rows = [
+        fx.half(1),
+        fx.half(2, topic="bad topic!"),
+        fx.half(3, topic="_sys_half"),
+        fx.half(4, queue_id=-1),
+        fx.half(5, topic="x" * 128),
+    ]
     accepted, rejected = T.split_halves(halves_df(spark, *rows), r)
     assert [r_["half_offset"] for r_ in accepted.collect()] == [1]
     got = rejected.select("row_offset", "reason")
     expected = spark.createDataFrame(
-        [(2, "invalid topic name"), (3, "system topic name"), (4, "negative queue_id"),
-         (5, "invalid topic name")], "row_offset long, reason string")
+        [
+            (2, "invalid topic name"),
+            (3, "system topic name"),
+            (4, "negative queue_id"),
+            (5, "invalid topic name"),
+        ],
+        "row_offset long, reason string",
+    )
     assert_df_equality(got, expected, ignore_row_order=True, ignore_nullable=True)
 
 
@@ -382,9 +561,22 @@ def test_the_job_reserves_exactly_the_topics_the_broker_core_refuses(spark):
     is never set aside by the job (SCHEDULE_TOPIC_ORDERS once was)."""
     from txn_core.errors import MessageValidationError
     from txn_core.message import validate_topic
-    topics = ["ORDER", "SCHEDULE_TOPIC_ORDERS", "TBW102x", "sys_orders", "TBW102",
-              "SCHEDULE_TOPIC_XXXX", "BenchmarkTest", "RMQ_SYS_TRACE_TOPIC", "rmq_sys_x",
-              "RmQ_SyS_x", "_sys", "_SYS_half", "_system"]
+
+    topics = [
+        "ORDER",
+        "SCHEDULE_TOPIC_ORDERS",
+        "TBW102x",
+        "sys_orders",
+        "TBW102",
+        "SCHEDULE_TOPIC_XXXX",
+        "BenchmarkTest",
+        "RMQ_SYS_TRACE_TOPIC",
+        "rmq_sys_x",
+        "RmQ_SyS_x",
+        "_sys",
+        "_SYS_half",
+        "_system",
+    ]
 
     def refused(topic: str) -> bool:
         try:
@@ -402,14 +594,22 @@ def test_the_job_reserves_exactly_the_topics_the_broker_core_refuses(spark):
 
 def test_next_pending_counts_the_check_and_keeps_waiting_messages(spark):
     r = rules()
-    decided = T.decide(pending_df(spark, fx.half(1, store_ms=0, checks_sent=2, checks_undecided=1,
-                                                  last_check_ms=0),
-                                  fx.half(2, store_ms=NOW)), r)
-    got = T.next_pending(decided, r).select("half_offset", "checks_sent", "checks_undecided",
-                                            "last_check_ms", "run_number")
-    expected = spark.createDataFrame([(1, 3, 1, NOW, 7), (2, 0, 0, None, 7)],
-                                     "half_offset long, checks_sent int, checks_undecided int, "
-                                     "last_check_ms long, run_number long")
+    decided = T.decide(
+        pending_df(
+            spark,
+            fx.half(1, store_ms=0, checks_sent=2, checks_undecided=1, last_check_ms=0),
+            fx.half(2, store_ms=NOW),
+        ),
+        r,
+    )
+    got = T.next_pending(decided, r).select(
+        "half_offset", "checks_sent", "checks_undecided", "last_check_ms", "run_number"
+    )
+    expected = spark.createDataFrame(
+        [(1, 3, 1, NOW, 7), (2, 0, 0, None, 7)],
+        "half_offset long, checks_sent int, checks_undecided int, "
+        "last_check_ms long, run_number long",
+    )
     assert_df_equality(got, expected, ignore_row_order=True, ignore_nullable=True)
 
 
@@ -417,19 +617,31 @@ def test_due_at_is_the_first_clock_at_which_decide_stops_waiting(spark):
     """An idle run trusts the minimum of due_at_ms: at due − 1 every row must
     still WAIT, at due it must not."""
     r = rules(reserved_ms=100_000)
-    rows = [fx.half(1, store_ms=NOW),                                # immunity first
-            fx.half(2, store_ms=NOW, check_immunity_s=60),           # its own immunity
-            {**fx.half(3, store_ms=NOW - 10_000), "last_check_ms": NOW, "checks_sent": 1},
-            {**fx.half(4, store_ms=NOW, check_immunity_s=3600)},    # expires before due
-            fx.half(5, store_ms=NOW + 5_000)]                        # stored in the future
-    due = {row["half_offset"]: row["due"] for row in
-           T.decide(pending_df(spark, *rows), r)
-           .select("half_offset", T.due_at_ms(r).alias("due")).collect()}
-    assert due == {1: NOW + 6001, 2: NOW + 60_001, 3: NOW + 30_000, 4: NOW + 100_001,
-                   5: NOW + 11_001}
+    rows = [
+        fx.half(1, store_ms=NOW),  # immunity first
+        fx.half(2, store_ms=NOW, check_immunity_s=60),  # its own immunity
+        {**fx.half(3, store_ms=NOW - 10_000), "last_check_ms": NOW, "checks_sent": 1},
+        {**fx.half(4, store_ms=NOW, check_immunity_s=3600)},  # expires before due
+        fx.half(5, store_ms=NOW + 5_000),
+    ]  # stored in the future
+    due = {
+        row["half_offset"]: row["due"]
+        for row in T.decide(pending_df(spark, *rows), r)
+        .select("half_offset", T.due_at_ms(r).alias("due"))
+        .collect()
+    }
+    assert due == {
+        1: NOW + 6001,
+        2: NOW + 60_001,
+        3: NOW + 30_000,
+        4: NOW + 100_001,
+        5: NOW + 11_001,
+    }
     for offset, at in due.items():
         row = [x for x in rows if x["half_offset"] == offset]
-        assert decisions(spark, rules(reserved_ms=100_000, now_ms=at - 1), *row) == \
-            {offset: Decision.WAIT}
-        assert decisions(spark, rules(reserved_ms=100_000, now_ms=at), *row) != \
-            {offset: Decision.WAIT}
+        assert decisions(spark, rules(reserved_ms=100_000, now_ms=at - 1), *row) == {
+            offset: Decision.WAIT
+        }
+        assert decisions(spark, rules(reserved_ms=100_000, now_ms=at), *row) != {
+            offset: Decision.WAIT
+        }

@@ -8,6 +8,7 @@ a late commit). A copy is then tampered with, one way per message, and every
 tampering must be reported naming its message; the untouched warehouse, and
 one with a run killed half-way, verify ok.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -19,14 +20,13 @@ from schemas import DISCARD, HALF, PENDING, table_path, topic_path
 import factories as f
 
 T0 = 1_000_000_000_000
-T1 = T0 + 1_000          # run 1: fresh messages still immune (6 s default)
-T2 = T1 + 30_000         # run 2: one check interval later
+T1 = T0 + 1_000  # run 1: fresh messages still immune (6 s default)
+T2 = T1 + 30_000  # run 2: one check interval later
 HOUR = 3_600_000
 
 
 def _config(warehouse: str) -> dict:
-    return {"warehouse": warehouse, "check_max": 1, "check_budget": "sent",
-            "reserved_hours": 1}
+    return {"warehouse": warehouse, "check_max": 1, "check_budget": "sent", "reserved_hours": 1}
 
 
 def build_reconciled(spark, wh: str) -> dict:
@@ -49,25 +49,50 @@ def build_reconciled(spark, wh: str) -> dict:
         "small_op_offset": f.half(9013, store_ms=T0),
     }
     f.write_halves(wh, *[m[k] for k in ("c1", "c2", "c3", "pay", "rb")])
-    f.write_halves(wh, *[m[k] for k in ("pending", "dup", "conflict", "bad_then_good",
-                                         "expired_late", "expired_admin", "max_checks",
-                                         "small_op_offset")])
-    f.write_ops(wh, f.op(m["c2"], op_offset=7002), f.op(m["c1"], op_offset=7001),
-                f.op(m["rb"], "ROLLBACK", op_offset=7005))
-    f.write_ops(wh, f.op(m["c3"], op_offset=7003), f.op(m["pay"], op_offset=7004),
-                f.op(m["dup"], op_offset=7007), f.op(m["dup"], op_offset=7008),
-                f.op(m["conflict"], op_offset=7009),
-                f.op(m["conflict"], "ROLLBACK", op_offset=7010),
-                f.op(m["bad_then_good"], op_offset=7011, producer_group="other_group"),
-                {**f.op(m["c1"], op_offset=7012), "half_offset": 123456})
+    f.write_halves(
+        wh,
+        *[
+            m[k]
+            for k in (
+                "pending",
+                "dup",
+                "conflict",
+                "bad_then_good",
+                "expired_late",
+                "expired_admin",
+                "max_checks",
+                "small_op_offset",
+            )
+        ],
+    )
+    f.write_ops(
+        wh,
+        f.op(m["c2"], op_offset=7002),
+        f.op(m["c1"], op_offset=7001),
+        f.op(m["rb"], "ROLLBACK", op_offset=7005),
+    )
+    f.write_ops(
+        wh,
+        f.op(m["c3"], op_offset=7003),
+        f.op(m["pay"], op_offset=7004),
+        f.op(m["dup"], op_offset=7007),
+        f.op(m["dup"], op_offset=7008),
+        f.op(m["conflict"], op_offset=7009),
+        f.op(m["conflict"], "ROLLBACK", op_offset=7010),
+        f.op(m["bad_then_good"], op_offset=7011, producer_group="other_group"),
+        {**f.op(m["c1"], op_offset=7012), "half_offset": 123456},
+    )
     reconcile(spark, _config(wh), now_ms=T1)
 
     # op_offset 6999 is the smallest of all, but its commit is the last one:
     # commit order (table version first) puts it after every run-1 delivery.
-    f.write_ops(wh, f.op(m["small_op_offset"], op_offset=6999),
-                f.op(m["bad_then_good"], op_offset=7013),
-                f.op(m["expired_late"], op_offset=7014),
-                f.op(m["expired_admin"], op_offset=7015, source="ADMIN"))
+    f.write_ops(
+        wh,
+        f.op(m["small_op_offset"], op_offset=6999),
+        f.op(m["bad_then_good"], op_offset=7013),
+        f.op(m["expired_late"], op_offset=7014),
+        f.op(m["expired_admin"], op_offset=7015, source="ADMIN"),
+    )
     reconcile(spark, _config(wh), now_ms=T2)
     # Written after the last run: legitimately not processed yet.
     f.write_halves(wh, f.half(9099, store_ms=T2))
@@ -92,6 +117,7 @@ def copy(reconciled, tmp_path):
 
 def _verify(spark, wh):
     from jobs.verify import verify
+
     return verify(spark, _config(wh))
 
 
@@ -116,8 +142,13 @@ def test_untouched_warehouse_verifies_ok(spark, reconciled):
     assert "verify: OK" in report.render()
     assert report.to_dict()["ok"] is True
     # What verify accepted as commit order, seen in the job's output.
-    q0 = (spark.read.format("delta").load(topic_path(wh, "ORDER"))
-          .where("queue_id = 0").orderBy("queue_offset").collect())
+    q0 = (
+        spark.read.format("delta")
+        .load(topic_path(wh, "ORDER"))
+        .where("queue_id = 0")
+        .orderBy("queue_offset")
+        .collect()
+    )
     assert [r["half_offset"] for r in q0] == [9001, 9002, 9007, 9008, 9013, 9009, 9011]
     assert [r["queue_offset"] for r in q0] == list(range(7))
 
@@ -156,13 +187,16 @@ def _add_discard(spark, wh, half_offset, reason="EXPIRED", body=None):
     discard = table_path(wh, DISCARD)
     columns = spark.read.format("delta").load(discard).columns
     run_id = _committed_runs(spark, wh)[0][-1]["run_id"]
-    row = (spark.read.format("delta").load(table_path(wh, HALF))
-           .where(F.col("half_offset") == half_offset)
-           .withColumn("check_times", F.lit(0))
-           .withColumn("reason", F.lit(reason))
-           .withColumn("discarded_ms", F.lit(T2))
-           .withColumn("run_id", F.lit(run_id))
-           .select(*columns))
+    row = (
+        spark.read.format("delta")
+        .load(table_path(wh, HALF))
+        .where(F.col("half_offset") == half_offset)
+        .withColumn("check_times", F.lit(0))
+        .withColumn("reason", F.lit(reason))
+        .withColumn("discarded_ms", F.lit(T2))
+        .withColumn("run_id", F.lit(run_id))
+        .select(*columns)
+    )
     if body is not None:
         row = row.withColumn("body", F.lit(body))
     row.write.format("delta").mode("append").save(discard)
@@ -176,17 +210,26 @@ def test_every_tampering_is_caught_naming_the_message(spark, copy):
     # c2: its delivered row is deleted.
     spark.sql(f"DELETE FROM delta.`{order}` WHERE half_offset = 9002").collect()
     # c1: its delivered row is appended a second time.
-    (spark.read.format("delta").load(order).where("half_offset = 9001")
-     .write.format("delta").mode("append").save(order))
+    (
+        spark.read.format("delta")
+        .load(order)
+        .where("half_offset = 9001")
+        .write.format("delta")
+        .mode("append")
+        .save(order)
+    )
     # c3: the first byte of its 256-byte body flips from 0x00 to 0x01.
-    spark.sql(f"UPDATE delta.`{order}` SET body = concat(X'01', substring(body, 2)) "
-              f"WHERE half_offset = 9003").collect()
+    spark.sql(
+        f"UPDATE delta.`{order}` SET body = concat(X'01', substring(body, 2)) "
+        f"WHERE half_offset = 9003"
+    ).collect()
     # pending: its row vanishes from the pending set.
-    spark.sql(f"DELETE FROM delta.`{table_path(wh, PENDING)}` "
-              f"WHERE half_offset = 9006").collect()
+    spark.sql(f"DELETE FROM delta.`{table_path(wh, PENDING)}` WHERE half_offset = 9006").collect()
     # bad_then_good and expired_admin swap their places in ORDER queue 0.
-    spark.sql(f"UPDATE delta.`{order}` SET queue_offset = 11 - queue_offset "
-              f"WHERE half_offset IN (9009, 9011)").collect()
+    spark.sql(
+        f"UPDATE delta.`{order}` SET queue_offset = 11 - queue_offset "
+        f"WHERE half_offset IN (9009, 9011)"
+    ).collect()
     # pay (delivered) and expired_late (already discarded) get a forged discard.
     _add_discard(spark, wh, 9004)
     # ... the second one with another body: every discard row is compared.
@@ -196,28 +239,40 @@ def test_every_tampering_is_caught_naming_the_message(spark, copy):
     assert not report.ok
     assert "missing_delivery" in _kinds_for(report, 9002)
     assert "duplicate_delivery" in _kinds_for(report, 9001)
-    body = [d for d in report.differences
-            if d["half_offset"] == 9003 and d["kind"] == "content_mismatch"]
+    body = [
+        d
+        for d in report.differences
+        if d["half_offset"] == 9003 and d["kind"] == "content_mismatch"
+    ]
     assert len(body) == 1 and body[0]["transaction_id"] == "tx-9003"
     assert body[0]["expected"].startswith("body=00") and body[0]["found"].startswith("body=01")
     assert _kinds_for(report, 9006) == {"missing_pending"}
     assert "discard_of_decided_message" in _kinds_for(report, 9004)
     assert "duplicate_discard" in _kinds_for(report, 9010)
-    forged = [d for d in report.differences
-              if d["half_offset"] == 9010 and d["kind"] == "content_mismatch"]
+    forged = [
+        d
+        for d in report.differences
+        if d["half_offset"] == 9010 and d["kind"] == "content_mismatch"
+    ]
     assert len(forged) == 1 and forged[0]["found"] == "body=" + b"forged".hex().upper()
     assert "queue_offset_order" in _kinds_for(report, 9009)
     assert "queue_offset_order" in _kinds_for(report, 9011)
     # Untouched messages stay clean, except for the gap c2's deletion and c1's
     # extra row leave in ORDER queue 0, where the later deliveries now sit.
     tampered = {9001, 9002, 9003, 9004, 9006, 9010, 9009, 9011}
-    others = {(d["half_offset"], d["kind"]) for d in report.differences
-              if d["half_offset"] not in tampered}
+    others = {
+        (d["half_offset"], d["kind"])
+        for d in report.differences
+        if d["half_offset"] not in tampered
+    }
     assert {kind for _, kind in others} <= {"queue_offset_not_dense"}, others
     assert not {off for off, _ in others} & {9005, 9012, 9099}
     text = report.render()
     assert "verify: FAILED" in text
-    for needle in ("half_offset=9002 transaction_id=tx-9002", "[missing_pending]",
-                   "[duplicate_discard]"):
+    for needle in (
+        "half_offset=9002 transaction_id=tx-9002",
+        "[missing_pending]",
+        "[duplicate_discard]",
+    ):
         assert needle in text
     assert report.to_dict()["total_differences"] == report.total_differences >= 6

@@ -5,16 +5,33 @@ job (`jobs/`) does the rest. See SPEC §3.
 
 >>> from txn_core import Broker, Message, TransactionProducer, load_config
 """
+
 from txn_core.broker import Broker
 from txn_core.config import Config, ConfigError, load_config
-from txn_core.errors import (BrokerClosedError, MessageValidationError, NoListenerError,
-                             PersistError, TxnError)
+from txn_core.errors import (
+    BrokerClosedError,
+    MessageValidationError,
+    NoListenerError,
+    PersistError,
+    TxnError,
+)
 from txn_core.message import BatchSendResult, LocalTransactionState, Message, SendResult
 from txn_core.producer import TransactionListener, TransactionProducer
 
 __all__ = [
-    "BatchSendResult", "Broker", "BrokerClosedError", "Config", "ConfigError",
-    "LocalTransactionState", "Message", "MessageValidationError", "NoListenerError",
-    "PersistError", "SendResult", "TransactionListener", "TransactionProducer", "TxnError",
+    "BatchSendResult",
+    "Broker",
+    "BrokerClosedError",
+    "Config",
+    "ConfigError",
+    "LocalTransactionState",
+    "Message",
+    "MessageValidationError",
+    "NoListenerError",
+    "PersistError",
+    "SendResult",
+    "TransactionListener",
+    "TransactionProducer",
+    "TxnError",
     "load_config",
 ]

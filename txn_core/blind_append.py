@@ -18,6 +18,7 @@ written). Tables whose protocol asks more of a writer are refused
 (`unsupported_reason`), and the caller uses delta-rs. Checkpoints stay with
 delta-rs: `checkpoint_due(version)` says when the table asks for one.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -31,8 +32,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
-from txn_core.delta_log import (LOG_DIR, checkpoint_versions, entry_name, file_stats,
-                                local_dir, reader_duties, writer_duties)
+from txn_core.delta_log import (
+    LOG_DIR,
+    checkpoint_versions,
+    entry_name,
+    file_stats,
+    local_dir,
+    reader_duties,
+    writer_duties,
+)
 from txn_core.storage import is_s3, registered, storage_for
 
 ENGINE_INFO = "lakehouse-txn blind append"
@@ -46,8 +54,9 @@ class TableChanged(RuntimeError):
     longer write it; the caller goes on with delta-rs."""
 
 
-def unsupported_reason(table: DeltaTable, schema: pa.Schema,
-                       storage_options: dict[str, str] | None = None) -> str | None:
+def unsupported_reason(
+    table: DeltaTable, schema: pa.Schema, storage_options: dict[str, str] | None = None
+) -> str | None:
     """Why the appender may not write `table` with rows of `schema`, or None.
     On S3 the appender reaches the table with the settings of its registered
     warehouse, so delta-rs `storage_options` of other settings are refused."""
@@ -65,8 +74,9 @@ def unsupported_reason(table: DeltaTable, schema: pa.Schema,
     if not pa.schema(table.schema().to_arrow()).equals(schema, check_metadata=False):
         return "the table's schema differs from the rows'"
     for field in schema:
-        if not (_has_stats(field.type) or pa.types.is_binary(field.type)
-                or pa.types.is_map(field.type)):
+        if not (
+            _has_stats(field.type) or pa.types.is_binary(field.type) or pa.types.is_map(field.type)
+        ):
             return f"column {field.name!r} is {field.type}, whose statistics it does not write"
     return None
 
@@ -90,9 +100,14 @@ class BlindAppender:
     is not one it may write (`unsupported_reason`).
     """
 
-    def __init__(self, table: DeltaTable, schema: pa.Schema, *,
-                 dictionary_columns: list[str] | None = None,
-                 storage_options: dict[str, str] | None = None):
+    def __init__(
+        self,
+        table: DeltaTable,
+        schema: pa.Schema,
+        *,
+        dictionary_columns: list[str] | None = None,
+        storage_options: dict[str, str] | None = None,
+    ):
         reason = unsupported_reason(table, schema, storage_options)
         if reason is not None:
             raise ValueError(f"cannot append to {table.table_uri} directly: {reason}")
@@ -146,8 +161,7 @@ class BlindAppender:
             raise ValueError(f"rows of schema {rows.schema} do not fit {self._table.table_uri}")
         nulls = [n for n in self._required if rows.column(n).null_count]
         if nulls:
-            raise ValueError(f"NOT NULL column(s) {nulls} of {self._table.table_uri} "
-                             f"hold nulls")
+            raise ValueError(f"NOT NULL column(s) {nulls} of {self._table.table_uri} hold nulls")
 
     def _entry(self, data: pa.Buffer, name: str) -> bytes:
         """The log entry of the commit: commitInfo and the file's add action,
@@ -157,14 +171,25 @@ class BlindAppender:
         that column."""
         stats = file_stats(pq.read_metadata(pa.BufferReader(data)), self._with_stats)
         now_ms = time.time_ns() // 1_000_000
-        commit_info = {"timestamp": now_ms, "operation": "WRITE",
-                       "operationParameters": {"mode": "Append"}, "isBlindAppend": True,
-                       "engineInfo": ENGINE_INFO, "clientVersion": ENGINE_INFO}
-        add = {"path": name, "partitionValues": {}, "size": data.size,
-               "modificationTime": now_ms, "dataChange": True,
-               "stats": json.dumps(stats, separators=(",", ":"))}
-        return (json.dumps({"commitInfo": commit_info}) + "\n"
-                + json.dumps({"add": add}) + "\n").encode()
+        commit_info = {
+            "timestamp": now_ms,
+            "operation": "WRITE",
+            "operationParameters": {"mode": "Append"},
+            "isBlindAppend": True,
+            "engineInfo": ENGINE_INFO,
+            "clientVersion": ENGINE_INFO,
+        }
+        add = {
+            "path": name,
+            "partitionValues": {},
+            "size": data.size,
+            "modificationTime": now_ms,
+            "dataChange": True,
+            "stats": json.dumps(stats, separators=(",", ":")),
+        }
+        return (
+            json.dumps({"commitInfo": commit_info}) + "\n" + json.dumps({"add": add}) + "\n"
+        ).encode()
 
     def _commit(self, entry: bytes, seq: int) -> int:
         """Put the entry at the first free version from `_next` on."""
@@ -201,8 +226,11 @@ class BlindAppender:
         """A blind append conflicts with nothing but a protocol or metadata change."""
         if winner is None:  # cleaned up meanwhile: it was old, nothing to learn
             return
-        if any({"metaData", "protocol"} & json.loads(line).keys()
-               for line in winner.splitlines() if line.strip()):
+        if any(
+            {"metaData", "protocol"} & json.loads(line).keys()
+            for line in winner.splitlines()
+            if line.strip()
+        ):
             self._revalidate()
 
     def _revalidate(self) -> None:
@@ -338,10 +366,12 @@ class _S3Store:
 
     def put_entry(self, version: int, staged: Staged) -> bool:
         from botocore.exceptions import ClientError
+
         while True:
             try:
-                self._client.put_object(Bucket=self._bucket, Key=self._entry_key(version),
-                                        Body=staged, IfNoneMatch="*")
+                self._client.put_object(
+                    Bucket=self._bucket, Key=self._entry_key(version), Body=staged, IfNoneMatch="*"
+                )
                 return True
             except ClientError as exc:
                 status = _status(exc)
@@ -352,9 +382,13 @@ class _S3Store:
 
     def read_entry(self, version: int) -> bytes | None:
         from botocore.exceptions import ClientError
+
         try:
-            return bytes(self._client.get_object(Bucket=self._bucket,
-                                                 Key=self._entry_key(version))["Body"].read())
+            return bytes(
+                self._client.get_object(Bucket=self._bucket, Key=self._entry_key(version))[
+                    "Body"
+                ].read()
+            )
         except ClientError as exc:
             if _status(exc) == 404:
                 return None
@@ -365,6 +399,7 @@ class _S3Store:
 
     def entry_exists(self, version: int) -> bool:
         from botocore.exceptions import ClientError
+
         try:
             self._client.head_object(Bucket=self._bucket, Key=self._entry_key(version))
             return True
@@ -377,9 +412,11 @@ class _S3Store:
         """From `_last_checkpoint`, which every checkpoint writer updates (a
         listing of the log would read every entry's name)."""
         from botocore.exceptions import ClientError
+
         try:
             body = self._client.get_object(
-                Bucket=self._bucket, Key=self._key(f"{LOG_DIR}/_last_checkpoint"))["Body"].read()
+                Bucket=self._bucket, Key=self._key(f"{LOG_DIR}/_last_checkpoint")
+            )["Body"].read()
         except ClientError as exc:
             if _status(exc) == 404:
                 return None
@@ -388,6 +425,7 @@ class _S3Store:
 
     def _delete(self, key: str) -> None:
         from botocore.exceptions import ClientError
+
         try:
             self._client.delete_object(Bucket=self._bucket, Key=key)
         except ClientError:

@@ -5,6 +5,7 @@ A Broker is one process's handle on a warehouse. It owns one group-commit
 writer per producer table and an offset epoch; producers (any number, any
 groups, any threads) share it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -12,8 +13,9 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Callable, Mapping, Sequence, overload
+from typing import Any, overload
 
 import pyarrow.compute as pc
 from deltalake import DeltaTable
@@ -33,7 +35,6 @@ from txn_core.vocabulary import Action, Source
 log = logging.getLogger(__name__)
 
 
-
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -45,9 +46,15 @@ class Broker:
     >>> broker.resolve("7F0001…", commit=True, remark="ops ticket 42")  # doctest: +SKIP
     """
 
-    def __init__(self, warehouse: str, tables: Mapping[str, DeltaTable], config: Config,
-                 clock: Callable[[], int], storage_options: dict[str, str] | None,
-                 group_commit: bool = True):
+    def __init__(
+        self,
+        warehouse: str,
+        tables: Mapping[str, DeltaTable],
+        config: Config,
+        clock: Callable[[], int],
+        storage_options: dict[str, str] | None,
+        group_commit: bool = True,
+    ):
         self.warehouse = warehouse
         self.config = config
         self.clock = clock
@@ -57,35 +64,58 @@ class Broker:
         producers = self._tables["_sys/producers"]
         self._offsets = OffsetAllocator(
             register_epoch(producers, self.broker_id, clock()),
-            lambda: register_epoch(producers, self.broker_id, clock()))
+            lambda: register_epoch(producers, self.broker_id, clock()),
+        )
         self._half: GroupCommitWriter | DirectWriter
         self._op: GroupCommitWriter | DirectWriter
         if group_commit:
             # The log is trimmed behind the job's cursor (txn_core.log_trim).
             self._half = GroupCommitWriter(
-                self._tables[HALF.path], arrow_schema(HALF), name=HALF.path, clock=clock,
+                self._tables[HALF.path],
+                arrow_schema(HALF),
+                name=HALF.path,
+                clock=clock,
                 log_floor=lambda: job_cursor(warehouse, HALF, storage_options),
                 plain_columns=("half_offset", "transaction_id", "msg_id"),
-                storage_options=storage_options)
+                storage_options=storage_options,
+            )
             self._op = GroupCommitWriter(
-                self._tables[OP.path], arrow_schema(OP), name=OP.path, clock=clock,
+                self._tables[OP.path],
+                arrow_schema(OP),
+                name=OP.path,
+                clock=clock,
                 log_floor=lambda: job_cursor(warehouse, OP, storage_options),
                 plain_columns=("op_offset", "half_offset", "transaction_id"),
-                storage_options=storage_options)
+                storage_options=storage_options,
+            )
         else:  # one commit per call: only for measuring what group commit buys
-            self._half = DirectWriter(table_path(warehouse, HALF), arrow_schema(HALF),
-                                      name=HALF.path, clock=clock,
-                                      storage_options=storage_options)
-            self._op = DirectWriter(table_path(warehouse, OP), arrow_schema(OP),
-                                    name=OP.path, clock=clock, storage_options=storage_options)
+            self._half = DirectWriter(
+                table_path(warehouse, HALF),
+                arrow_schema(HALF),
+                name=HALF.path,
+                clock=clock,
+                storage_options=storage_options,
+            )
+            self._op = DirectWriter(
+                table_path(warehouse, OP),
+                arrow_schema(OP),
+                name=OP.path,
+                clock=clock,
+                storage_options=storage_options,
+            )
         self._closed = False
         self._close_lock = threading.Lock()
 
     @classmethod
-    def open(cls, warehouse: str | Config, *, config: Config | None = None,
-             clock: Callable[[], int] | None = None,
-             storage_options: dict[str, str] | None = None,
-             group_commit: bool = True) -> "Broker":
+    def open(
+        cls,
+        warehouse: str | Config,
+        *,
+        config: Config | None = None,
+        clock: Callable[[], int] | None = None,
+        storage_options: dict[str, str] | None = None,
+        group_commit: bool = True,
+    ) -> Broker:
         """Open the warehouse, creating missing producer tables.
 
         `warehouse` may be a path/URI or a Config (its `warehouse` and `s3_*`
@@ -109,8 +139,7 @@ class Broker:
             use(storage)
         storage_options = options_for(warehouse, storage_options)
         tables = ensure_broker_tables(warehouse, storage_options=storage_options)
-        return cls(warehouse, tables, config, clock or wall_clock_ms, storage_options,
-                   group_commit)
+        return cls(warehouse, tables, config, clock or wall_clock_ms, storage_options, group_commit)
 
     @property
     def epoch(self) -> int:
@@ -144,17 +173,22 @@ class Broker:
             "tags": [m.tags for m in messages],
             "keys": [m.keys for m in messages],
             "body": bodies,
-            "properties": [list(m.properties.items()) if m.properties else []
-                           for m in messages],
+            "properties": [list(m.properties.items()) if m.properties else [] for m in messages],
             "born_ms": [self.clock()] * n,
             "check_immunity_s": [m.check_immunity_s for m in messages],
         }
         self._half.submit(columns).result()
         return StoredMessages(messages, bodies, ids, offsets, group)
 
-    def store_ops(self, half_offsets: list[int], transaction_ids: list[str],
-                  producer_group: str, actions: str | list[str], source: str,
-                  remarks: str | list[str | None] | None = None) -> list[int]:
+    def store_ops(
+        self,
+        half_offsets: list[int],
+        transaction_ids: list[str],
+        producer_group: str,
+        actions: str | list[str],
+        source: str,
+        remarks: str | list[str | None] | None = None,
+    ) -> list[int]:
         """Persist OP rows for one producer group in one commit; return their
         op_offsets once durable. `actions`/`remarks` may be one value for all."""
         self._check_open()
@@ -164,21 +198,23 @@ class Broker:
         if len(transaction_ids) != n or len(actions) != n or len(remarks) != n:
             raise ValueError("store_ops needs one transaction id, action and remark per offset")
         if not set(actions) <= set(Action):
-            raise ValueError(f"action must be one of {[str(a) for a in Action]}, "
-                             f"got {sorted(set(actions))}")
+            raise ValueError(
+                f"action must be one of {[str(a) for a in Action]}, got {sorted(set(actions))}"
+            )
         if source not in set(Source):
-            raise ValueError(f"source must be one of {[str(s) for s in Source]}, "
-                             f"got {source!r}")
+            raise ValueError(f"source must be one of {[str(s) for s in Source]}, got {source!r}")
         offsets = self._offsets.take(n)
-        self._op.submit({
-            "op_offset": offsets,
-            "half_offset": list(half_offsets),
-            "transaction_id": list(transaction_ids),
-            "producer_group": [producer_group] * n,
-            "action": actions,
-            "source": [source] * n,
-            "remark": remarks,
-        }).result()
+        self._op.submit(
+            {
+                "op_offset": offsets,
+                "half_offset": list(half_offsets),
+                "transaction_id": list(transaction_ids),
+                "producer_group": [producer_group] * n,
+                "action": actions,
+                "source": [source] * n,
+                "remark": remarks,
+            }
+        ).result()
         return offsets
 
     def resolve(self, transaction_id: str, commit: bool, remark: str | None = None) -> int:
@@ -193,20 +229,34 @@ class Broker:
         if not isinstance(commit, bool):
             raise ValueError("commit must be True (commit) or False (rollback)")
         half = self.find_half(transaction_id)
-        return self.store_ops([half["half_offset"]], [transaction_id], half["producer_group"],
-                              Action.COMMIT if commit else Action.ROLLBACK, Source.ADMIN, remark)[0]
+        return self.store_ops(
+            [half["half_offset"]],
+            [transaction_id],
+            half["producer_group"],
+            Action.COMMIT if commit else Action.ROLLBACK,
+            Source.ADMIN,
+            remark,
+        )[0]
 
     def find_half(self, transaction_id: str) -> dict[str, Any]:
         """The half row of `transaction_id` (a full scan: for operators, not hot paths)."""
         # Its own handle: the writer's belongs to the writer thread.
-        table = DeltaTable(table_path(self.warehouse, HALF),
-                           storage_options=options_for(self.warehouse, self.storage_options))
-        rows: list[dict[str, Any]] = table.to_pyarrow_dataset().to_table(
-            columns=["half_offset", "producer_group", "topic"],
-            filter=pc.field("transaction_id") == transaction_id).to_pylist()
+        table = DeltaTable(
+            table_path(self.warehouse, HALF),
+            storage_options=options_for(self.warehouse, self.storage_options),
+        )
+        rows: list[dict[str, Any]] = (
+            table.to_pyarrow_dataset()
+            .to_table(
+                columns=["half_offset", "producer_group", "topic"],
+                filter=pc.field("transaction_id") == transaction_id,
+            )
+            .to_pylist()
+        )
         if not rows:
-            raise LookupError(f"no half message has transaction_id {transaction_id!r} in "
-                              f"{self.warehouse}")
+            raise LookupError(
+                f"no half message has transaction_id {transaction_id!r} in {self.warehouse}"
+            )
         return rows[0]
 
     # --- lifecycle ----------------------------------------------------------------
@@ -219,7 +269,7 @@ class Broker:
         self._half.close()
         self._op.close()
 
-    def __enter__(self) -> "Broker":
+    def __enter__(self) -> Broker:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -238,8 +288,9 @@ class Broker:
     def committers(self) -> dict[str, str]:
         """Per producer table, how its commits are made: "blind append" on a
         local disk, "delta-rs" on an object store (`GroupCommitWriter.committer`)."""
-        if not (isinstance(self._half, GroupCommitWriter)
-                and isinstance(self._op, GroupCommitWriter)):
+        if not (
+            isinstance(self._half, GroupCommitWriter) and isinstance(self._op, GroupCommitWriter)
+        ):
             return {HALF.path: "delta-rs", OP.path: "delta-rs"}
         return {HALF.path: self._half.committer, OP.path: self._op.committer}
 
@@ -247,8 +298,9 @@ class Broker:
     def writer_stats(self) -> dict[str, WriterStats]:
         """Per producer table, what its group-commit writer has done and where
         its time went (`WriterStats`); empty without group commit."""
-        if not (isinstance(self._half, GroupCommitWriter)
-                and isinstance(self._op, GroupCommitWriter)):
+        if not (
+            isinstance(self._half, GroupCommitWriter) and isinstance(self._op, GroupCommitWriter)
+        ):
             return {}
         return {HALF.path: self._half.stats(), OP.path: self._op.stats()}
 
@@ -257,7 +309,7 @@ def new_message_ids(n: int) -> list[str]:
     """`n` random 32-hex-digit ids (128 bits, as uuid4), the shape of RocketMQ's
     UNIQ_KEY; drawn in one call because uuid4() per message is a hot spot."""
     digits = os.urandom(16 * n).hex().upper()
-    return [digits[i:i + 32] for i in range(0, 32 * n, 32)]
+    return [digits[i : i + 32] for i in range(0, 32 * n, 32)]
 
 
 class StoredMessages(Sequence[Message]):
@@ -269,8 +321,14 @@ class StoredMessages(Sequence[Message]):
     the bulk path's largest cost.
     """
 
-    def __init__(self, messages: Sequence[Message], bodies: list[bytes], ids: list[str],
-                 offsets: list[int], group: str):
+    def __init__(
+        self,
+        messages: Sequence[Message],
+        bodies: list[bytes],
+        ids: list[str],
+        offsets: list[int],
+        group: str,
+    ):
         self._messages, self._bodies, self._ids = messages, bodies, ids
         self.half_offsets, self._group = offsets, group
         self._copies: dict[int, Message] = {}
@@ -297,11 +355,15 @@ class StoredMessages(Sequence[Message]):
             msg = self._messages[index]
             copy = object.__new__(Message)  # __dict__ copy: dataclass __init__ is slow here
             copy.__dict__.update(
-                msg.__dict__, body=self._bodies[index],
+                msg.__dict__,
+                body=self._bodies[index],
                 properties=dict(msg.properties) if msg.properties else {},
-                transaction_id=self._ids[index], msg_id=self._ids[index],
-                half_offset=self.half_offsets[index], producer_group=self._group,
-                delay_level=0)  # RocketMQ clears delay levels of transactional messages
+                transaction_id=self._ids[index],
+                msg_id=self._ids[index],
+                half_offset=self.half_offsets[index],
+                producer_group=self._group,
+                delay_level=0,
+            )  # RocketMQ clears delay levels of transactional messages
             self._copies[index] = copy
         return copy
 

@@ -8,11 +8,13 @@ only if none exists: delta-rs fails a merge whose read set a concurrent
 commit changed, so when two processes of one group answer the same request,
 exactly one answer row (and so one OP) survives.
 """
+
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -30,16 +32,29 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_REQUEST_COLUMNS = ["request_id", "half_offset", "transaction_id", "msg_id", "producer_group",
-                    "topic", "queue_id", "tags", "keys", "body", "properties", "born_ms",
-                    "check_times"]
+_REQUEST_COLUMNS = [
+    "request_id",
+    "half_offset",
+    "transaction_id",
+    "msg_id",
+    "producer_group",
+    "topic",
+    "queue_id",
+    "tags",
+    "keys",
+    "body",
+    "properties",
+    "born_ms",
+    "check_times",
+]
 
 
 class CheckAnswerer:
     """One producer group's reader of check requests (one per TransactionProducer)."""
 
-    def __init__(self, broker: "Broker", group: str,
-                 check: Callable[[Message], LocalTransactionState]):
+    def __init__(
+        self, broker: Broker, group: str, check: Callable[[Message], LocalTransactionState]
+    ):
         self._broker = broker
         self._group = group
         self._check = check
@@ -64,37 +79,46 @@ class CheckAnswerer:
 
     def _open_requests(self) -> DeltaTable | None:
         if self._requests is None:
-            self._requests = open_existing(self._broker.warehouse, CHECK_REQUESTS,
-                                           self._broker.storage_options)
+            self._requests = open_existing(
+                self._broker.warehouse, CHECK_REQUESTS, self._broker.storage_options
+            )
         return self._requests
 
     def _read_new(self, requests: DeltaTable, version: int) -> pa.Table:
         mine = pc.field("producer_group") == self._group
         if self._cursor is not None:
             try:
-                changes = pa.table(requests.load_cdf(starting_version=self._cursor + 1,
-                                                     ending_version=version,
-                                                     columns=_REQUEST_COLUMNS + ["_change_type"]))
+                changes = pa.table(
+                    requests.load_cdf(
+                        starting_version=self._cursor + 1,
+                        ending_version=version,
+                        columns=_REQUEST_COLUMNS + ["_change_type"],
+                    )
+                )
             except DeltaError as exc:  # the log between the versions was cleaned up
-                log.info("check request changes since version %s unavailable (%s); "
-                         "rescanning", self._cursor, exc)
+                log.info(
+                    "check request changes since version %s unavailable (%s); rescanning",
+                    self._cursor,
+                    exc,
+                )
             else:
                 changes = _normalise(changes)
                 changes = changes.filter(pc.field("_change_type") == "insert")
                 return changes.filter(mine).select(_REQUEST_COLUMNS)
-        everything = requests.to_pyarrow_dataset().to_table(columns=_REQUEST_COLUMNS,
-                                                            filter=mine)
+        everything = requests.to_pyarrow_dataset().to_table(columns=_REQUEST_COLUMNS, filter=mine)
         answered = self._answered_ids()
         if answered:
             everything = everything.filter(
-                pc.invert(pc.is_in(everything["request_id"], pa.array(list(answered)))))
+                pc.invert(pc.is_in(everything["request_id"], pa.array(list(answered))))
+            )
         return _normalise(everything)
 
     def _answered_ids(self) -> set[str]:
         answers = self._broker.table(CHECK_ANSWERS.path)
         answers.update_incremental()
         got = answers.to_pyarrow_dataset().to_table(
-            columns=["request_id"], filter=pc.field("producer_group") == self._group)
+            columns=["request_id"], filter=pc.field("producer_group") == self._group
+        )
         return set(got["request_id"].to_pylist())
 
     # --- answering ----------------------------------------------------------------
@@ -102,17 +126,30 @@ class CheckAnswerer:
     def _answer(self, todo: pa.Table) -> int:
         answers, decisions = [], {}
         for req in todo.to_pylist():
-            msg = Message(topic=req["topic"], body=req["body"], keys=req["keys"],
-                          tags=req["tags"], properties=dict(req["properties"] or []),
-                          queue_id=req["queue_id"], transaction_id=req["transaction_id"],
-                          msg_id=req["msg_id"], half_offset=req["half_offset"],
-                          producer_group=self._group)
+            msg = Message(
+                topic=req["topic"],
+                body=req["body"],
+                keys=req["keys"],
+                tags=req["tags"],
+                properties=dict(req["properties"] or []),
+                queue_id=req["queue_id"],
+                transaction_id=req["transaction_id"],
+                msg_id=req["msg_id"],
+                half_offset=req["half_offset"],
+                producer_group=self._group,
+            )
             state, error = _run_check(self._check, msg)
-            answers.append({
-                "request_id": req["request_id"], "half_offset": req["half_offset"],
-                "transaction_id": req["transaction_id"], "producer_group": self._group,
-                "answer": "ERROR" if error else (state.action or "UNKNOWN"),
-                "answered_ms": self._broker.clock(), "error": error})
+            answers.append(
+                {
+                    "request_id": req["request_id"],
+                    "half_offset": req["half_offset"],
+                    "transaction_id": req["transaction_id"],
+                    "producer_group": self._group,
+                    "answer": "ERROR" if error else (state.action or "UNKNOWN"),
+                    "answered_ms": self._broker.clock(),
+                    "error": error,
+                }
+            )
             if state.action:
                 decisions[req["request_id"]] = (req, state.action)
         won = self._record_answers(answers)
@@ -120,10 +157,14 @@ class CheckAnswerer:
         if ops:
             # If this fails the answer row exists but no OP: the message stays
             # pending and the job checks it again later — nothing is lost.
-            self._broker.store_ops([req["half_offset"] for req, _, _ in ops],
-                                   [req["transaction_id"] for req, _, _ in ops], self._group,
-                                   [action for _, action, _ in ops], Source.CHECK,
-                                   [f"check {rid}" for _, _, rid in ops])
+            self._broker.store_ops(
+                [req["half_offset"] for req, _, _ in ops],
+                [req["transaction_id"] for req, _, _ in ops],
+                self._group,
+                [action for _, action, _ in ops],
+                Source.CHECK,
+                [f"check {rid}" for _, _, rid in ops],
+            )
         return len(won)
 
     def _record_answers(self, answers: list[dict[str, object]]) -> set[str]:
@@ -134,10 +175,16 @@ class CheckAnswerer:
         for attempt in range(100):
             table.update_incremental()
             try:
-                metrics = (table.merge(source, source_alias="s", target_alias="t",
-                                       predicate=f"t.producer_group = '{group}' AND "
-                                                 "t.request_id = s.request_id")
-                           .when_not_matched_insert_all().execute())
+                metrics = (
+                    table.merge(
+                        source,
+                        source_alias="s",
+                        target_alias="t",
+                        predicate=f"t.producer_group = '{group}' AND t.request_id = s.request_id",
+                    )
+                    .when_not_matched_insert_all()
+                    .execute()
+                )
             except CommitFailedError:
                 time.sleep(0.005 * (attempt + 1))  # a concurrent answer landed; redo
                 continue
@@ -145,16 +192,22 @@ class CheckAnswerer:
                 return set()
             # Our merge is the handle's latest version; read back what it inserted.
             mine = table.version()
-            inserted = pa.table(table.load_cdf(starting_version=mine, ending_version=mine,
-                                               columns=["request_id", "_change_type"]))
+            inserted = pa.table(
+                table.load_cdf(
+                    starting_version=mine,
+                    ending_version=mine,
+                    columns=["request_id", "_change_type"],
+                )
+            )
             inserted = _normalise(inserted, CHECK_ANSWERS)
             inserted = inserted.filter(pc.field("_change_type") == "insert")
             return set(inserted["request_id"].to_pylist())
         raise RuntimeError("could not record check answers after 100 attempts")
 
 
-def _run_check(check: Callable[[Message], LocalTransactionState],
-               msg: Message) -> tuple[LocalTransactionState, str | None]:
+def _run_check(
+    check: Callable[[Message], LocalTransactionState], msg: Message
+) -> tuple[LocalTransactionState, str | None]:
     try:
         state = check(msg)
     except Exception as exc:  # noqa: BLE001 - a listener's failure is an ERROR answer
@@ -171,6 +224,8 @@ def _normalise(table: pa.Table, like: TableSchema = CHECK_REQUESTS) -> pa.Table:
     """delta-rs hands back view types (string_view…) that compute kernels refuse;
     cast to the schema's plain types (CDF's `_change_type` to string)."""
     schema = arrow_schema(like)
-    fields = [schema.field(n) if n in schema.names else pa.field(n, pa.string())
-              for n in table.column_names]
+    fields = [
+        schema.field(n) if n in schema.names else pa.field(n, pa.string())
+        for n in table.column_names
+    ]
     return table.cast(pa.schema(fields))

@@ -5,12 +5,14 @@ environment variables `TXN_<KEY>` > the TOML file > defaults. Every value is
 validated before anything touches a table; an error names the key, where the
 value came from, and what is accepted.
 """
+
 from __future__ import annotations
 
 import os
 import tomllib
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable, Mapping
+from typing import Any
 
 ENV_PREFIX = "TXN_"
 
@@ -43,12 +45,15 @@ def absolute_warehouse(warehouse: str) -> str:
     if scheme.lower() in S3_SCHEMES:
         bucket = rest.split("/", 1)[0]
         if not bucket:
-            raise ConfigError(f"warehouse {warehouse!r} names no bucket; expected "
-                              "s3://bucket/prefix")
+            raise ConfigError(
+                f"warehouse {warehouse!r} names no bucket; expected s3://bucket/prefix"
+            )
         return "s3a://" + rest.rstrip("/")
     if scheme.lower() not in OTHER_SCHEMES:
-        raise ConfigError(f"warehouse {warehouse!r} has an unsupported scheme {scheme!r}; "
-                          "accepted: a local path, file://, s3://, s3a://, abfss://, gs://")
+        raise ConfigError(
+            f"warehouse {warehouse!r} has an unsupported scheme {scheme!r}; "
+            "accepted: a local path, file://, s3://, s3a://, abfss://, gs://"
+        )
     return warehouse.rstrip("/")
 
 
@@ -86,8 +91,10 @@ class Config:
             _check(f.name, getattr(self, f.name), "value")
         object.__setattr__(self, "warehouse", absolute_warehouse(self.warehouse))
         if self.s3_endpoint.startswith("http://") and not self.s3_allow_http:
-            raise ConfigError(f"s3_endpoint {self.s3_endpoint!r} is plain HTTP; set "
-                              "s3_allow_http = true to allow it (a store on loopback)")
+            raise ConfigError(
+                f"s3_endpoint {self.s3_endpoint!r} is plain HTTP; set "
+                "s3_allow_http = true to allow it (a store on loopback)"
+            )
 
     def __getitem__(self, key: str) -> Any:  # dict-style access for notebooks
         if key not in _SPECS:
@@ -98,12 +105,14 @@ class Config:
         return asdict(self)
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], origin: str = "mapping") -> "Config":
+    def from_mapping(cls, values: Mapping[str, Any], origin: str = "mapping") -> Config:
         """Build from a plain dict of SPEC §4 keys (missing keys take defaults)."""
         unknown = sorted(set(values) - set(_SPECS))
         if unknown:
-            raise ConfigError(f"unknown configuration key(s) {', '.join(map(repr, unknown))} "
-                              f"in {origin}; known keys: {', '.join(_SPECS)}")
+            raise ConfigError(
+                f"unknown configuration key(s) {', '.join(map(repr, unknown))} "
+                f"in {origin}; known keys: {', '.join(_SPECS)}"
+            )
         for key, value in values.items():
             _check(key, value, origin)
         return cls(**dict(values))
@@ -116,16 +125,28 @@ _SPECS: dict[str, tuple[type, Callable[[Any], bool], str]] = {
     "check_max": (int, lambda v: 0 <= v <= 1_000_000, "an integer from 0 to 1000000"),
     "check_interval_ms": (int, lambda v: 0 <= v <= 2**40, "an integer from 0 to 2^40 (ms)"),
     "reserved_hours": (int, lambda v: 1 <= v <= 100_000, "an integer from 1 to 100000 (hours)"),
-    "max_checks_per_run": (int, lambda v: 0 <= v <= 2**31 - 1,
-                           "an integer from 0 (no cap) to 2147483647"),
+    "max_checks_per_run": (
+        int,
+        lambda v: 0 <= v <= 2**31 - 1,
+        "an integer from 0 (no cap) to 2147483647",
+    ),
     "check_budget": (str, lambda v: v in ("answered", "sent"), "'answered' or 'sent'"),
-    "max_body_bytes": (int, lambda v: 1 <= v <= 256 * 1024 * 1024,
-                       "an integer from 1 to 268435456 (bytes)"),
+    "max_body_bytes": (
+        int,
+        lambda v: 1 <= v <= 256 * 1024 * 1024,
+        "an integer from 1 to 268435456 (bytes)",
+    ),
     "lease_ttl_s": (int, lambda v: 1 <= v <= 7 * 24 * 3600, "an integer from 1 to 604800 (s)"),
-    "s3_endpoint": (str, lambda v: v == "" or v.startswith(("http://", "https://")),
-                    "\"\" (AWS) or an http:// or https:// URL"),
-    "s3_region": (str, lambda v: v == "" or v.replace("-", "").isalnum(),
-                  "\"\" (from the environment) or a region name such as eu-west-1"),
+    "s3_endpoint": (
+        str,
+        lambda v: v == "" or v.startswith(("http://", "https://")),
+        '"" (AWS) or an http:// or https:// URL',
+    ),
+    "s3_region": (
+        str,
+        lambda v: v == "" or v.replace("-", "").isalnum(),
+        '"" (from the environment) or a region name such as eu-west-1',
+    ),
     "s3_path_style": (bool, lambda v: True, "true or false"),
     "s3_allow_http": (bool, lambda v: True, "true or false"),
 }
@@ -137,11 +158,11 @@ def _check(key: str, value: Any, origin: str) -> None:
     kind, ok, accepted = _SPECS[key]
     # bool is an int in Python; `check_max = true` is still a mistake.
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise ConfigError(f"{key} from {origin} must be {accepted}; got "
-                          f"{type(value).__name__} {value!r}")
+        raise ConfigError(
+            f"{key} from {origin} must be {accepted}; got {type(value).__name__} {value!r}"
+        )
     if not ok(value):
-        raise ConfigError(f"{key} from {origin} is out of range: {value!r}; "
-                          f"accepted: {accepted}")
+        raise ConfigError(f"{key} from {origin} is out of range: {value!r}; accepted: {accepted}")
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
@@ -153,15 +174,17 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         raw = env[name]
         if kind is bool:
             if raw.strip().lower() not in _BOOLEANS:
-                raise ConfigError(f"{key} from environment variable {name} must be "
-                                  f"{accepted}; got {raw!r}")
+                raise ConfigError(
+                    f"{key} from environment variable {name} must be {accepted}; got {raw!r}"
+                )
             values[key] = _BOOLEANS[raw.strip().lower()]
         elif kind is int:
             try:
                 values[key] = int(raw.strip())
             except ValueError:
-                raise ConfigError(f"{key} from environment variable {name} must be "
-                                  f"{accepted}; got {raw!r}") from None
+                raise ConfigError(
+                    f"{key} from environment variable {name} must be {accepted}; got {raw!r}"
+                ) from None
         else:
             values[key] = raw
     return values
@@ -174,16 +197,21 @@ def _from_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     except FileNotFoundError:
         raise ConfigError(f"configuration file {os.fspath(path)!r} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"configuration file {os.fspath(path)!r} is not valid TOML: "
-                          f"{exc}") from None
+        raise ConfigError(
+            f"configuration file {os.fspath(path)!r} is not valid TOML: {exc}"
+        ) from None
     # Accept a flat file, or one with the keys under a [reconcile] table.
     if set(data) == {"reconcile"} and isinstance(data["reconcile"], dict):
         data = data["reconcile"]
     return data
 
 
-def load_config(path: str | os.PathLike[str] | None = None, *,
-                env: Mapping[str, str] | None = None, **overrides: Any) -> Config:
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> Config:
     """Read the configuration: overrides > `TXN_*` environment > TOML file > defaults.
 
     Overrides whose value is None are ignored, so CLI flags that were not given
@@ -203,8 +231,10 @@ def load_config(path: str | os.PathLike[str] | None = None, *,
     for values, origin in layers:
         unknown = sorted(set(values) - set(_SPECS))
         if unknown:
-            raise ConfigError(f"unknown configuration key(s) {', '.join(map(repr, unknown))} "
-                              f"in {origin}; known keys: {', '.join(_SPECS)}")
+            raise ConfigError(
+                f"unknown configuration key(s) {', '.join(map(repr, unknown))} "
+                f"in {origin}; known keys: {', '.join(_SPECS)}"
+            )
         for key, value in values.items():
             _check(key, value, origin)
             merged[key] = value

@@ -9,6 +9,7 @@ reads each message once.
 >>> for row in read_topic("./warehouse", "ORDER", queue_id=0, from_queue_offset=0):
 ...     handle(row["body"])                                        # doctest: +SKIP
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -24,9 +25,15 @@ from txn_core.storage import Storage, options_for, use
 from txn_core.tables import MissingTableError
 
 
-def read_topic(warehouse: str | Config, topic: str, *, queue_id: int | None = None,
-               from_queue_offset: int = 0, limit: int | None = None,
-               storage_options: dict[str, str] | None = None) -> list[dict[str, Any]]:
+def read_topic(
+    warehouse: str | Config,
+    topic: str,
+    *,
+    queue_id: int | None = None,
+    from_queue_offset: int = 0,
+    limit: int | None = None,
+    storage_options: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
     """Delivered messages of `topic`, in (queue_id, queue_offset) order.
 
     `warehouse` is a path or URI, or a Config (an S3 warehouse's endpoint
@@ -40,8 +47,9 @@ def read_topic(warehouse: str | Config, topic: str, *, queue_id: int | None = No
     try:
         table = DeltaTable(uri, storage_options=options_for(uri, storage_options))
     except TableNotFoundError:
-        raise MissingTableError(f"topic {topic!r} has no table under {warehouse} yet "
-                                "(nothing delivered to it)") from None
+        raise MissingTableError(
+            f"topic {topic!r} has no table under {warehouse} yet (nothing delivered to it)"
+        ) from None
     condition = pc.field("queue_offset") >= from_queue_offset
     if queue_id is not None:
         condition = condition & (pc.field("queue_id") == queue_id)

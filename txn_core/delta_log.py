@@ -8,6 +8,7 @@ than what they do; what that means, where a table's log lives and what its
 entries are called, and the file statistics readers skip files by are
 defined here. No Spark: the broker core imports it.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,19 @@ import re
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-__all__ = ["LOG_DIR", "SAFE_WRITER_FEATURES", "checkpoint_versions", "entry_name",
-           "file_stats", "is_log_file", "local_dir", "local_path", "plain_reader",
-           "reader_duties", "writer_duties"]
+__all__ = [
+    "LOG_DIR",
+    "SAFE_WRITER_FEATURES",
+    "checkpoint_versions",
+    "entry_name",
+    "file_stats",
+    "is_log_file",
+    "local_dir",
+    "local_path",
+    "plain_reader",
+    "reader_duties",
+    "writer_duties",
+]
 
 LOG_DIR = "_delta_log"
 #: writer features whose duties a writer of whole files (adds and removes of
@@ -29,8 +40,12 @@ SAFE_WRITER_FEATURES = frozenset({"appendOnly", "invariants", "changeDataFeed"})
 #: reader features under which a data file's rows are the table's rows as written
 _PLAIN_READER_FEATURES = frozenset({"timestampNtz"})
 #: column metadata that gives a writer a duty (an invariant to check, a value to generate)
-_FIELD_DUTIES = ("delta.invariants", "delta.generationExpression", "delta.identity",
-                 "delta.columnMapping")
+_FIELD_DUTIES = (
+    "delta.invariants",
+    "delta.generationExpression",
+    "delta.identity",
+    "delta.columnMapping",
+)
 _CHECKPOINT = re.compile(r"^(\d{20})\.checkpoint(\.\d{10}\.\d{10})?\.parquet$")
 _LOG_FILE = re.compile(r"^(\d{20})\.(json|crc|checkpoint(\.\d{10}\.\d{10})?\.parquet)$")
 
@@ -71,7 +86,8 @@ def local_dir(table: Any) -> str | None:
 def plain_reader(min_reader_version: int, reader_features: list[str] | None) -> bool:
     """Whether a reader of this protocol reads data files as they are."""
     return min_reader_version == 1 or (
-        min_reader_version == 3 and set(reader_features or ()) <= _PLAIN_READER_FEATURES)
+        min_reader_version == 3 and set(reader_features or ()) <= _PLAIN_READER_FEATURES
+    )
 
 
 def reader_duties(table: Any) -> str | None:
@@ -80,8 +96,10 @@ def reader_duties(table: Any) -> str | None:
     mapping — or None when it does."""
     protocol, metadata = table.protocol(), table.metadata()
     if not plain_reader(protocol.min_reader_version, protocol.reader_features):
-        return (f"reader protocol {protocol.min_reader_version} "
-                f"{sorted(protocol.reader_features or ())}")
+        return (
+            f"reader protocol {protocol.min_reader_version} "
+            f"{sorted(protocol.reader_features or ())}"
+        )
     if metadata.partition_columns:
         return f"partitioned by {metadata.partition_columns}"
     if metadata.configuration.get("delta.columnMapping.mode", "none") != "none":
@@ -95,10 +113,13 @@ def writer_duties(table: Any) -> str | None:
     column invariants, generated or identity columns — or None."""
     protocol, metadata = table.protocol(), table.metadata()
     if protocol.min_writer_version > 4 and not (
-            protocol.min_writer_version == 7
-            and set(protocol.writer_features or ()) <= SAFE_WRITER_FEATURES):
-        return (f"writer protocol {protocol.min_writer_version} with features "
-                f"{sorted(protocol.writer_features or ())}")
+        protocol.min_writer_version == 7
+        and set(protocol.writer_features or ()) <= SAFE_WRITER_FEATURES
+    ):
+        return (
+            f"writer protocol {protocol.min_writer_version} with features "
+            f"{sorted(protocol.writer_features or ())}"
+        )
     constraints = sorted(k for k in metadata.configuration if k.startswith("delta.constraints."))
     if constraints:
         return f"table properties {constraints}"
@@ -109,8 +130,9 @@ def writer_duties(table: Any) -> str | None:
     return None
 
 
-def file_stats(metadata: Any, indexed: list[str], string_prefix: int | None = None
-               ) -> dict[str, Any]:
+def file_stats(
+    metadata: Any, indexed: list[str], string_prefix: int | None = None
+) -> dict[str, Any]:
     """Delta file statistics of a parquet file from its footer (pyarrow's
     `FileMetaData`): the row count, and for each indexed top-level column its
     null count and, for integers and strings, min and max. With
@@ -119,21 +141,27 @@ def file_stats(metadata: Any, indexed: list[str], string_prefix: int | None = No
     would no longer be an upper bound; delta-rs keeps whole values. A column
     whose footer lacks a statistic gets none: readers then keep the file,
     which is always right."""
-    stats: dict[str, Any] = {"numRecords": metadata.num_rows, "minValues": {},
-                             "maxValues": {}, "nullCount": {}}
+    stats: dict[str, Any] = {
+        "numRecords": metadata.num_rows,
+        "minValues": {},
+        "maxValues": {},
+        "nullCount": {},
+    }
     schema = metadata.schema
     wanted = set(indexed)
     for i in range(metadata.num_columns):
         column = schema.column(i)
         if column.path not in wanted:  # nested leaves have dotted paths: never indexed here
             continue
-        chunks = [metadata.row_group(g).column(i).statistics
-                  for g in range(metadata.num_row_groups)]
+        chunks = [
+            metadata.row_group(g).column(i).statistics for g in range(metadata.num_row_groups)
+        ]
         if any(s is None or not s.has_null_count for s in chunks):
             continue
         stats["nullCount"][column.path] = sum(s.null_count for s in chunks)
         ordered = column.physical_type in ("INT32", "INT64") or (
-            column.physical_type == "BYTE_ARRAY" and str(column.logical_type) == "String")
+            column.physical_type == "BYTE_ARRAY" and str(column.logical_type) == "String"
+        )
         with_values = [s for s in chunks if s.num_values > 0]
         if not ordered or not with_values or not all(s.has_min_max for s in with_values):
             continue

@@ -1,4 +1,5 @@
 """Errors raised by the broker core. Each names what is wrong."""
+
 from __future__ import annotations
 
 

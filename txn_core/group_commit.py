@@ -20,6 +20,7 @@ Checkpoints, compaction of the small file every commit makes, and log
 clean-up happen beside the writer, in `WriterUpkeep`'s thread, so that no
 sender waits for them.
 """
+
 from __future__ import annotations
 
 import collections
@@ -28,19 +29,25 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Final, Mapping, Sequence, TypeAlias
+from typing import Final, TypeAlias
 
 import pyarrow as pa
-from deltalake import (ColumnProperties, CommitProperties, DeltaTable,
-                       PostCommitHookProperties, WriterProperties, write_deltalake)
+from deltalake import (
+    ColumnProperties,
+    CommitProperties,
+    DeltaTable,
+    PostCommitHookProperties,
+    WriterProperties,
+    write_deltalake,
+)
 
-from txn_core.errors import BrokerClosedError, PersistError
 from txn_core.blind_append import BlindAppender, TableChanged, unsupported_reason
+from txn_core.errors import BrokerClosedError, PersistError
 from txn_core.log_trim import trimmed_past
-from txn_core.writer_upkeep import (COMPACT_EVERY, LOG_CLEANUP_EVERY, SMALL_FILE_BYTES,
-                                    WriterUpkeep)
+from txn_core.writer_upkeep import COMPACT_EVERY, LOG_CLEANUP_EVERY, SMALL_FILE_BYTES, WriterUpkeep
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +107,10 @@ class WriterStats:
         """Mean time inside one Delta commit, in milliseconds."""
         return 1000 * self.commit_s / self.commits if self.commits else 0.0
 
-    def __sub__(self, earlier: "WriterStats") -> "WriterStats":
-        return WriterStats(*(getattr(self, f) - getattr(earlier, f)
-                             for f in self.__dataclass_fields__))
+    def __sub__(self, earlier: WriterStats) -> WriterStats:
+        return WriterStats(
+            *(getattr(self, f) - getattr(earlier, f) for f in self.__dataclass_fields__)
+        )
 
 
 class GroupCommitWriter:
@@ -124,13 +132,21 @@ class GroupCommitWriter:
     checkpoints.
     """
 
-    def __init__(self, table: DeltaTable, schema: pa.Schema, *, name: str,
-                 clock: Callable[[], int], stamp_column: str | None = "store_ms",
-                 max_rows: int = 50_000, compact_every: int | None = COMPACT_EVERY,
-                 log_cleanup_every: int | None = LOG_CLEANUP_EVERY,
-                 log_floor: Callable[[], int | None] | None = None,
-                 plain_columns: tuple[str, ...] = (),
-                 storage_options: dict[str, str] | None = None):
+    def __init__(
+        self,
+        table: DeltaTable,
+        schema: pa.Schema,
+        *,
+        name: str,
+        clock: Callable[[], int],
+        stamp_column: str | None = "store_ms",
+        max_rows: int = 50_000,
+        compact_every: int | None = COMPACT_EVERY,
+        log_cleanup_every: int | None = LOG_CLEANUP_EVERY,
+        log_floor: Callable[[], int | None] | None = None,
+        plain_columns: tuple[str, ...] = (),
+        storage_options: dict[str, str] | None = None,
+    ):
         self._table = table
         self._schema = schema
         self._name = name
@@ -141,15 +157,23 @@ class GroupCommitWriter:
         self._appender = None
         reason = unsupported_reason(table, schema, storage_options)
         if reason is None:
-            self._appender = BlindAppender(table, schema, dictionary_columns=[
-                n for n in schema.names if n not in plain_columns],
-                storage_options=storage_options)
+            self._appender = BlindAppender(
+                table,
+                schema,
+                dictionary_columns=[n for n in schema.names if n not in plain_columns],
+                storage_options=storage_options,
+            )
         else:
             log.info("%s: committing with delta-rs (%s)", name, reason)
-        self.upkeep = WriterUpkeep(table.table_uri, name=name, storage_options=storage_options,
-                                   compact_every=compact_every,
-                                   log_cleanup_every=log_cleanup_every, log_floor=log_floor,
-                                   writer_properties=self._writer_properties)
+        self.upkeep = WriterUpkeep(
+            table.table_uri,
+            name=name,
+            storage_options=storage_options,
+            compact_every=compact_every,
+            log_cleanup_every=log_cleanup_every,
+            log_floor=log_floor,
+            writer_properties=self._writer_properties,
+        )
         # the last commit's chain
         self._waking: collections.deque[CommitTicket] = collections.deque()
         self._queue: queue.SimpleQueue[_Pending | _Stop] = queue.SimpleQueue()
@@ -159,11 +183,10 @@ class GroupCommitWriter:
         # Written by the writer thread only; read whole by stats().
         self._rows = 0
         self._seconds = {"commit": 0.0, "build": 0.0, "idle": 0.0}
-        self._thread = threading.Thread(target=self._run, name=f"group-commit-{name}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"group-commit-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, columns: Columns) -> "CommitTicket":
+    def submit(self, columns: Columns) -> CommitTicket:
         ticket = CommitTicket()
         with self._lock:
             if self._closed:
@@ -179,9 +202,15 @@ class GroupCommitWriter:
 
     def stats(self) -> WriterStats:
         s = dict(self._seconds)
-        return WriterStats(commits=self.commits, rows=self._rows, commit_s=s["commit"],
-                           build_s=s["build"], idle_s=s["idle"], upkeep_s=self.upkeep.busy_s,
-                           upkeep_retries=self.upkeep.transient_retries)
+        return WriterStats(
+            commits=self.commits,
+            rows=self._rows,
+            commit_s=s["commit"],
+            build_s=s["build"],
+            idle_s=s["idle"],
+            upkeep_s=self.upkeep.busy_s,
+            upkeep_retries=self.upkeep.transient_retries,
+        )
 
     def close(self) -> None:
         """Commit what was submitted, finish the upkeep that is due, stop."""
@@ -236,22 +265,26 @@ class GroupCommitWriter:
             self._seconds["build"] += built - started
             version = self._append_rows(table)
             self._seconds["commit"] += time.perf_counter() - built
-        except BaseException as exc:  # every waiting sender must hear of it
+        except BaseException as exc:  # noqa: BLE001 - every waiting sender must hear of it
             if built is not None:
                 self._seconds["commit"] += time.perf_counter() - built
             log.warning("group commit to %s failed: %s", self._name, exc)
             self._refresh_after_failure()
-            error = PersistError(f"could not append {sum(len(c[next(iter(c))]) for c, _ in batch)}"
-                                 f" row(s) to {self._name}: {exc}")
+            error = PersistError(
+                f"could not append {sum(len(c[next(iter(c))]) for c, _ in batch)}"
+                f" row(s) to {self._name}: {exc}"
+            )
             error.__cause__ = exc
             self._wake(batch, None, error)
             return
         self._rows += table.num_rows
         self.commits += 1
         self._wake(batch, version, None)
-        self.upkeep.committed(version, small_file=table.nbytes < SMALL_FILE_BYTES,
-                              checkpoint_due=self._appender is not None
-                              and self._appender.checkpoint_due(version))
+        self.upkeep.committed(
+            version,
+            small_file=table.nbytes < SMALL_FILE_BYTES,
+            checkpoint_due=self._appender is not None and self._appender.checkpoint_due(version),
+        )
 
     def _refresh_after_failure(self) -> None:
         """Load the table's newest version, so that the next commit does not
@@ -259,8 +292,7 @@ class GroupCommitWriter:
         try:
             self._table.update_incremental()
         except Exception as exc:  # noqa: BLE001 - the next commit reports the store's state
-            log.warning("%s: could not reload the table after a failed commit: %s",
-                        self._name, exc)
+            log.warning("%s: could not reload the table after a failed commit: %s", self._name, exc)
 
     def _append_rows(self, rows: pa.Table) -> int:
         """Commit `rows`; returns the table version that holds them."""
@@ -274,13 +306,19 @@ class GroupCommitWriter:
             self._table.update_incremental()
         # delta-rs' overloads say `writer_properties: WriterProperties`; the
         # function itself takes None (its default) as well.
-        write_deltalake(self._table, rows, mode="append",  # type: ignore[call-overload]
-                        commit_properties=_COMMIT, post_commithook_properties=_HOOKS,
-                        writer_properties=self._writer_properties)
+        write_deltalake(
+            self._table,
+            rows,
+            mode="append",  # type: ignore[call-overload]
+            commit_properties=_COMMIT,
+            post_commithook_properties=_HOOKS,
+            writer_properties=self._writer_properties,
+        )
         return self._table.version()
 
-    def _wake(self, batch: list[_Pending], version: int | None,
-              error: BaseException | None) -> None:
+    def _wake(
+        self, batch: list[_Pending], version: int | None, error: BaseException | None
+    ) -> None:
         """Settle every ticket of the batch, then start its wake-up chain (a
         stalled previous chain is woken in full first: it had a whole commit)."""
         _wake_all(self._waking)
@@ -363,17 +401,21 @@ def plain_encoding(columns: tuple[str, ...]) -> WriterProperties | None:
     into a dictionary."""
     if not columns:
         return None
-    return WriterProperties(column_properties={
-        c: ColumnProperties(dictionary_enabled=False) for c in columns})
+    return WriterProperties(
+        column_properties={c: ColumnProperties(dictionary_enabled=False) for c in columns}
+    )
 
 
-def to_arrow(schema: pa.Schema, columns: Columns, stamp_column: str | None,
-             stamp: int) -> pa.Table:
+def to_arrow(schema: pa.Schema, columns: Columns, stamp_column: str | None, stamp: int) -> pa.Table:
     """Arrow columns built directly from Python lists (no per-row dicts);
     `stamp_column` gets `stamp`, the durable-write time, in every row."""
     size = len(next(iter(columns.values())))
-    arrays = [pa.array([stamp] * size, type=f.type) if f.name == stamp_column
-              else pa.array(columns[f.name], type=f.type) for f in schema]
+    arrays = [
+        pa.array([stamp] * size, type=f.type)
+        if f.name == stamp_column
+        else pa.array(columns[f.name], type=f.type)
+        for f in schema
+    ]
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
@@ -384,9 +426,16 @@ class DirectWriter:
     callers race for versions and delta-rs rebases the losers.
     """
 
-    def __init__(self, uri: str, schema: pa.Schema, *, name: str, clock: Callable[[], int],
-                 stamp_column: str | None = "store_ms",
-                 storage_options: dict[str, str] | None = None):
+    def __init__(
+        self,
+        uri: str,
+        schema: pa.Schema,
+        *,
+        name: str,
+        clock: Callable[[], int],
+        stamp_column: str | None = "store_ms",
+        storage_options: dict[str, str] | None = None,
+    ):
         self._uri = uri
         self._schema = schema
         self._name = name
@@ -401,12 +450,15 @@ class DirectWriter:
         fut: Future[int] = Future()
         table = getattr(self._local, "table", None)
         if table is None:
-            table = self._local.table = DeltaTable(self._uri,
-                                                   storage_options=self._storage_options)
+            table = self._local.table = DeltaTable(self._uri, storage_options=self._storage_options)
         size = len(next(iter(columns.values())))
         try:
-            write_deltalake(table, to_arrow(self._schema, columns, self._stamp, self._clock()),
-                            mode="append", commit_properties=_COMMIT)
+            write_deltalake(
+                table,
+                to_arrow(self._schema, columns, self._stamp, self._clock()),
+                mode="append",
+                commit_properties=_COMMIT,
+            )
         except Exception as exc:  # noqa: BLE001 - reported like the group writer does
             error = PersistError(f"could not append {size} row(s) to {self._name}: {exc}")
             error.__cause__ = exc

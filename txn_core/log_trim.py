@@ -14,6 +14,7 @@ always read on, any reader can rebuild the table from that checkpoint — and
 the log stays about as long as the commits since the job's last run. Until
 the job has run once nothing is trimmed: its first run reads from version 0.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,9 @@ from txn_core.tables import latest_run_rows
 _CURSOR = {HALF.path: "prev_half_version", OP.path: "prev_op_version"}
 
 
-def job_cursor(warehouse: str, table: TableSchema,
-               storage_options: dict[str, str] | None = None) -> int | None:
+def job_cursor(
+    warehouse: str, table: TableSchema, storage_options: dict[str, str] | None = None
+) -> int | None:
     """The first version of `table` (half or OP) the job may still read, or
     None when the job has not run yet."""
     column = _CURSOR[table.path]

@@ -9,6 +9,7 @@ anywhere (I5) — purges messages that the job has resolved
 (COMMIT or ROLLBACK in `_sys/resolved`) and that are older than
 `reserved_hours`. Run it from any one producer process, e.g. hourly.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,13 +39,18 @@ class MaintenanceReport:
     trimmed_log_entries: int = 0
 
     def to_dict(self) -> dict[str, int | dict[str, int]]:
-        return {"compacted_files": self.compacted_files, "purged_halves": self.purged_halves,
-                "purged_ops": self.purged_ops, "vacuumed_files": self.vacuumed_files,
-                "trimmed_log_entries": self.trimmed_log_entries}
+        return {
+            "compacted_files": self.compacted_files,
+            "purged_halves": self.purged_halves,
+            "purged_ops": self.purged_ops,
+            "vacuumed_files": self.vacuumed_files,
+            "trimmed_log_entries": self.trimmed_log_entries,
+        }
 
 
-def maintain(broker: Broker, now_ms: int | None = None, *, purge: bool = True,
-             vacuum: bool = True) -> MaintenanceReport:
+def maintain(
+    broker: Broker, now_ms: int | None = None, *, purge: bool = True, vacuum: bool = True
+) -> MaintenanceReport:
     """Compact, checkpoint, clean the log, vacuum and purge; returns what was done.
 
     A commit that loses a race with a concurrent producer commit is skipped
@@ -88,24 +94,30 @@ def purge_resolved(broker: Broker, now_ms: int) -> tuple[int, int]:
     halves = broker.table(HALF.path)
     halves.update_incremental()
     old = halves.to_pyarrow_dataset().to_table(
-        columns=["half_offset"], filter=pc.field("store_ms") < cutoff)
-    doomed = pc.filter(old["half_offset"],
-                       pc.is_in(old["half_offset"], resolved["half_offset"])).to_pylist()
+        columns=["half_offset"], filter=pc.field("store_ms") < cutoff
+    )
+    doomed = pc.filter(
+        old["half_offset"], pc.is_in(old["half_offset"], resolved["half_offset"])
+    ).to_pylist()
     if not doomed:
         return 0, 0
     purged_halves = _delete_offsets(halves, "half_offset", doomed)
     purged_ops = _delete_offsets(broker.table(OP.path), "half_offset", doomed)
-    log.info("purged %d resolved half rows and %d OP rows stored before %d",
-             purged_halves, purged_ops, cutoff)
+    log.info(
+        "purged %d resolved half rows and %d OP rows stored before %d",
+        purged_halves,
+        purged_ops,
+        cutoff,
+    )
     return purged_halves, purged_ops
 
 
 def _delete_offsets(table: DeltaTable, column: str, offsets: list[int]) -> int:
     deleted = 0
     for start in range(0, len(offsets), _PURGE_CHUNK):
-        chunk = offsets[start:start + _PURGE_CHUNK]
+        chunk = offsets[start : start + _PURGE_CHUNK]
         predicate = f"{column} IN ({', '.join(str(int(o)) for o in chunk)})"
-        for attempt in range(20):
+        for _attempt in range(20):
             table.update_incremental()
             try:
                 deleted += int(table.delete(predicate).get("num_deleted_rows", 0))

@@ -1,10 +1,11 @@
 """Messages, local-transaction states and send results, with RocketMQ's input rules."""
+
 from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 from txn_core.errors import MessageValidationError
 from txn_core.vocabulary import TOPIC_MAX_LEN, Action, is_system_topic
@@ -31,8 +32,9 @@ class LocalTransactionState(str, enum.Enum):
     @property
     def action(self) -> Action | None:
         """The OP action this state writes (None for UNKNOWN: nothing is written)."""
-        return {"COMMIT_MESSAGE": Action.COMMIT,
-                "ROLLBACK_MESSAGE": Action.ROLLBACK}.get(self.value)
+        return {"COMMIT_MESSAGE": Action.COMMIT, "ROLLBACK_MESSAGE": Action.ROLLBACK}.get(
+            self.value
+        )
 
 
 @dataclass
@@ -62,19 +64,20 @@ class Message:
     producer_group: str | None = field(default=None, repr=False)
 
 
-def _validate_name(value: object, field_name: str, max_len: int, kind: str,
-                   system: bool) -> str:
+def _validate_name(value: object, field_name: str, max_len: int, kind: str, system: bool) -> str:
     """RocketMQ's Validators rules shared by topic and group names."""
     if not isinstance(value, str):
         raise MessageValidationError(field_name, f"must be a string, got {type(value).__name__}")
     if not value:
         raise MessageValidationError(field_name, "must not be empty")
     if len(value) > max_len:
-        raise MessageValidationError(field_name, f"is {len(value)} characters; at most "
-                                     f"{max_len} are allowed")
+        raise MessageValidationError(
+            field_name, f"is {len(value)} characters; at most {max_len} are allowed"
+        )
     if not _NAME_RE.match(value):
-        raise MessageValidationError(field_name, f"{value!r} contains characters outside "
-                                     "[A-Za-z0-9_%|-]")
+        raise MessageValidationError(
+            field_name, f"{value!r} contains characters outside [A-Za-z0-9_%|-]"
+        )
     if system:
         raise MessageValidationError(field_name, f"{value!r} is a system {kind} name")
     return value
@@ -92,14 +95,14 @@ def validate_group(group: object, field_name: str = "producer_group") -> str:
 
 def _optional_str(value: object, field_name: str) -> None:
     if value is not None and not isinstance(value, str):
-        raise MessageValidationError(field_name, f"must be a string or None, got "
-                                     f"{type(value).__name__}")
+        raise MessageValidationError(
+            field_name, f"must be a string or None, got {type(value).__name__}"
+        )
 
 
 def _int_field(value: object, field_name: str, low: int, high: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise MessageValidationError(field_name, f"must be an integer, got "
-                                     f"{type(value).__name__}")
+        raise MessageValidationError(field_name, f"must be an integer, got {type(value).__name__}")
     if not low <= value <= high:
         raise MessageValidationError(field_name, f"{value} is out of range [{low}, {high}]")
 
@@ -107,8 +110,9 @@ def _int_field(value: object, field_name: str, low: int, high: int) -> None:
 def validate_message(msg: object, max_body_bytes: int, *, in_batch: bool = False) -> Message:
     """Check every field of `msg`; raise MessageValidationError naming the first bad one."""
     if not isinstance(msg, Message):
-        raise MessageValidationError("message", f"must be a txn_core.Message, got "
-                                     f"{type(msg).__name__}")
+        raise MessageValidationError(
+            "message", f"must be a txn_core.Message, got {type(msg).__name__}"
+        )
     validate_topic(msg.topic)
     _validate_fields(msg, max_body_bytes, in_batch)
     return msg
@@ -147,19 +151,21 @@ def _validate_fields(msg: Message, max_body_bytes: int, in_batch: bool) -> None:
 
 def _validate_properties(properties: object) -> None:
     if not isinstance(properties, Mapping):
-        raise MessageValidationError("properties", f"must be a mapping of str to str, got "
-                                     f"{type(properties).__name__}")
+        raise MessageValidationError(
+            "properties", f"must be a mapping of str to str, got {type(properties).__name__}"
+        )
     for key, value in properties.items():
         if not isinstance(key, str) or not key:
-            raise MessageValidationError("properties", f"key {key!r} must be a non-empty "
-                                         "string")
+            raise MessageValidationError("properties", f"key {key!r} must be a non-empty string")
         if not isinstance(value, str):
-            raise MessageValidationError(f"properties[{key!r}]", f"value must be a string, "
-                                         f"got {type(value).__name__}")
+            raise MessageValidationError(
+                f"properties[{key!r}]", f"value must be a string, got {type(value).__name__}"
+            )
         for text in (key, value):
             if any(sep in text for sep in _PROPERTY_SEPARATORS):
-                raise MessageValidationError(f"properties[{key!r}]", "must not contain "
-                                             "the control characters \\x01 or \\x02")
+                raise MessageValidationError(
+                    f"properties[{key!r}]", "must not contain the control characters \\x01 or \\x02"
+                )
 
 
 def validate_batch(messages: object, max_body_bytes: int) -> Sequence[Message]:
@@ -170,8 +176,9 @@ def validate_batch(messages: object, max_body_bytes: int) -> Sequence[Message]:
         raise MessageValidationError("messages", "must not be empty")
     first = messages[0]
     if not isinstance(first, Message):
-        raise MessageValidationError("messages[0]", f"must be a txn_core.Message, got "
-                                     f"{type(first).__name__}")
+        raise MessageValidationError(
+            "messages[0]", f"must be a txn_core.Message, got {type(first).__name__}"
+        )
     topic = first.topic
     try:
         validate_topic(topic)  # once: every message must carry this same topic
@@ -179,11 +186,14 @@ def validate_batch(messages: object, max_body_bytes: int) -> Sequence[Message]:
         raise MessageValidationError(f"messages[0].{exc.field}", exc.problem) from None
     for i, msg in enumerate(messages):
         if type(msg) is not Message and not isinstance(msg, Message):
-            raise MessageValidationError(f"messages[{i}]", f"must be a txn_core.Message, got "
-                                         f"{type(msg).__name__}")
+            raise MessageValidationError(
+                f"messages[{i}]", f"must be a txn_core.Message, got {type(msg).__name__}"
+            )
         if msg.topic != topic:
-            raise MessageValidationError("messages", f"a batch must share one topic; "
-                                         f"messages[{i}] has {msg.topic!r}, not {topic!r}")
+            raise MessageValidationError(
+                "messages",
+                f"a batch must share one topic; messages[{i}] has {msg.topic!r}, not {topic!r}",
+            )
         try:
             _validate_fields(msg, max_body_bytes, in_batch=True)
         except MessageValidationError as exc:

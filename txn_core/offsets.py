@@ -6,6 +6,7 @@ never obtain the same version. That version is the broker's epoch, and its
 offsets are `epoch << 32 | sequence`. Offsets are unique, not dense; nothing
 reads "the current max offset" on the hot path.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -14,7 +15,7 @@ import random
 import socket
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, write_deltalake
@@ -27,12 +28,21 @@ SEQUENCE_BITS = 32
 _NO_RETRY = CommitProperties(max_commit_retries=0)
 
 
-def register_epoch(producers: DeltaTable, broker_id: str, now_ms: int,
-                   attempts: int = 10_000) -> int:
+def register_epoch(
+    producers: DeltaTable, broker_id: str, now_ms: int, attempts: int = 10_000
+) -> int:
     """Commit a registration row at exactly `read version + 1`; return that version."""
     row = pa.Table.from_pylist(
-        [{"broker_id": broker_id, "host": socket.gethostname(), "pid": os.getpid(),
-          "opened_ms": now_ms}], schema=arrow_schema(PRODUCERS))
+        [
+            {
+                "broker_id": broker_id,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "opened_ms": now_ms,
+            }
+        ],
+        schema=arrow_schema(PRODUCERS),
+    )
     for attempt in range(attempts):
         producers.update_incremental()
         read_version = producers.version()
@@ -44,11 +54,11 @@ def register_epoch(producers: DeltaTable, broker_id: str, now_ms: int,
             continue
         epoch = read_version + 1
         if producers.version() != epoch:  # pragma: no cover - would break I1
-            raise RuntimeError(f"epoch registration committed version {producers.version()}, "
-                               f"expected {epoch}")
+            raise RuntimeError(
+                f"epoch registration committed version {producers.version()}, expected {epoch}"
+            )
         if epoch >= 2**31:
-            raise RuntimeError("the producers table exceeded 2^31 versions; offsets would "
-                               "overflow")
+            raise RuntimeError("the producers table exceeded 2^31 versions; offsets would overflow")
         return epoch
     raise RuntimeError(f"could not register a broker epoch after {attempts} attempts")
 

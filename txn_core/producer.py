@@ -1,16 +1,25 @@
 """TransactionProducer and TransactionListener (RocketMQ's DefaultMQProducerImpl rules)."""
+
 from __future__ import annotations
 
 import abc
 import logging
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from txn_core.broker import Broker, StoredMessages
 from txn_core.checks import CheckAnswerer
 from txn_core.errors import NoListenerError, PersistError
-from txn_core.message import (BatchSendResult, LocalTransactionState, Message, SendResult,
-                              validate_batch, validate_group, validate_message)
+from txn_core.message import (
+    BatchSendResult,
+    LocalTransactionState,
+    Message,
+    SendResult,
+    validate_batch,
+    validate_group,
+    validate_message,
+)
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +32,9 @@ class TransactionListener(abc.ABC):
     """
 
     @abc.abstractmethod
-    def execute_local_transaction(self, msg: Message | Sequence[Message],
-                                  arg: Any) -> LocalTransactionState: ...
+    def execute_local_transaction(
+        self, msg: Message | Sequence[Message], arg: Any
+    ) -> LocalTransactionState: ...
 
     @abc.abstractmethod
     def check_local_transaction(self, msg: Message) -> LocalTransactionState: ...
@@ -41,8 +51,7 @@ class TransactionProducer:
     <LocalTransactionState.COMMIT_MESSAGE: 'COMMIT_MESSAGE'>
     """
 
-    def __init__(self, broker: Broker, group: str,
-                 listener: TransactionListener | None = None):
+    def __init__(self, broker: Broker, group: str, listener: TransactionListener | None = None):
         self.broker = broker
         self.group = validate_group(group)
         self.listener = listener
@@ -64,49 +73,66 @@ class TransactionProducer:
         validate_message(msg, self.broker.config.max_body_bytes)
         stored = self.broker.store_halves(self.group, [msg])
         state, error = _execute(listener, stored[0], arg)
-        result = SendResult(transaction_id=stored.transaction_ids[0],
-                            msg_id=stored.transaction_ids[0], half_offset=stored.half_offsets[0],
-                            local_state=state, error=error)
+        result = SendResult(
+            transaction_id=stored.transaction_ids[0],
+            msg_id=stored.transaction_ids[0],
+            half_offset=stored.half_offsets[0],
+            local_state=state,
+            error=error,
+        )
         result.op_written, result.op_error = self._report(state, stored)
         return result
 
-    def send_batch_in_transaction(self, messages: Sequence[Message],
-                                  arg: Any = None) -> BatchSendResult:
+    def send_batch_in_transaction(
+        self, messages: Sequence[Message], arg: Any = None
+    ) -> BatchSendResult:
         """Store all half rows in one commit, decide them with one local transaction.
 
         `execute_local_transaction(batch, arg)` receives the stored messages
-        as a sequence (ids filled in, each a copy); its one decision is written as one OP per message,
-        in one commit. Checks stay per message.
+        as a sequence (ids filled in, each a copy); its one decision is
+        written as one OP per message, in one commit. Checks stay per message.
         """
         listener = self._require_listener()
         validate_batch(messages, self.broker.config.max_body_bytes)
         stored = self.broker.store_halves(self.group, messages)
         state, error = _execute(listener, stored, arg)
-        result = BatchSendResult(transaction_ids=list(stored.transaction_ids),
-                                 msg_ids=list(stored.transaction_ids),
-                                 half_offsets=list(stored.half_offsets),
-                                 local_state=state, error=error)
+        result = BatchSendResult(
+            transaction_ids=list(stored.transaction_ids),
+            msg_ids=list(stored.transaction_ids),
+            half_offsets=list(stored.half_offsets),
+            local_state=state,
+            error=error,
+        )
         result.op_written, result.op_error = self._report(state, stored)
         return result
 
-    def _report(self, state: LocalTransactionState,
-                stored: StoredMessages) -> tuple[bool, BaseException | None]:
+    def _report(
+        self, state: LocalTransactionState, stored: StoredMessages
+    ) -> tuple[bool, BaseException | None]:
         """Write the decision's OP rows; a failure is returned, not raised (SPEC §3.4)."""
         if state.action is None:
             return False, None
         try:
-            self.broker.store_ops(stored.half_offsets, stored.transaction_ids, self.group,
-                                  state.action, "PRODUCER")
+            self.broker.store_ops(
+                stored.half_offsets, stored.transaction_ids, self.group, state.action, "PRODUCER"
+            )
         except PersistError as exc:
-            log.warning("OP for %d message(s) of group %s not written (%s); the back-check "
-                        "will settle them", len(stored), self.group, exc)
+            log.warning(
+                "OP for %d message(s) of group %s not written (%s); the back-check "
+                "will settle them",
+                len(stored),
+                self.group,
+                exc,
+            )
             return False, exc
         return True, None
 
     def _require_listener(self) -> TransactionListener:
         if self.listener is None:
-            raise NoListenerError(f"producer group {self.group!r} has no TransactionListener; "
-                                  "pass listener= to send messages in a transaction")
+            raise NoListenerError(
+                f"producer group {self.group!r} has no TransactionListener; "
+                "pass listener= to send messages in a transaction"
+            )
         return self.listener
 
     # --- back-checks --------------------------------------------------------------
@@ -123,15 +149,16 @@ class TransactionProducer:
         if self._checker is not None:
             return
         self._stop.clear()
-        self._checker = threading.Thread(target=self._check_loop, args=(poll_s,),
-                                         name=f"check-{self.group}", daemon=True)
+        self._checker = threading.Thread(
+            target=self._check_loop, args=(poll_s,), name=f"check-{self.group}", daemon=True
+        )
         self._checker.start()
 
     def _check_loop(self, poll_s: float) -> None:
         while not self._stop.is_set():
             try:
                 self.answer_checks()
-            except Exception:  # noqa: BLE001 - keep answering; the next poll retries
+            except Exception:
                 log.exception("answering checks for group %s failed", self.group)
             self._stop.wait(poll_s)
 
@@ -144,15 +171,16 @@ class TransactionProducer:
             self._checker.join()
             self._checker = None
 
-    def __enter__(self) -> "TransactionProducer":
+    def __enter__(self) -> TransactionProducer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def _execute(listener: TransactionListener, msg: Message | Sequence[Message],
-             arg: Any) -> tuple[LocalTransactionState, BaseException | None]:
+def _execute(
+    listener: TransactionListener, msg: Message | Sequence[Message], arg: Any
+) -> tuple[LocalTransactionState, BaseException | None]:
     try:
         state = listener.execute_local_transaction(msg, arg)
     except Exception as exc:  # noqa: BLE001 - RocketMQ: an exception means UNKNOW
@@ -164,4 +192,5 @@ def _execute(listener: TransactionListener, msg: Message | Sequence[Message],
         return LocalTransactionState(state), None
     except ValueError:
         return LocalTransactionState.UNKNOWN, TypeError(
-            f"execute_local_transaction returned {state!r}, not a LocalTransactionState")
+            f"execute_local_transaction returned {state!r}, not a LocalTransactionState"
+        )

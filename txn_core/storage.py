@@ -20,16 +20,20 @@ bucket, an endpoint that does not answer or missing credentials.
 
 >>> s = Storage(warehouse="s3a://bucket/wh", endpoint="http://127.0.0.1:9000",
 ...             region="us-east-1", path_style=True, allow_http=True)
->>> s.delta_rs_options()["AWS_ENDPOINT_URL"], s.hadoop_options()["fs.s3a.bucket.bucket.path.style.access"]
-('http://127.0.0.1:9000', 'true')
+>>> s.delta_rs_options()["AWS_ENDPOINT_URL"]
+'http://127.0.0.1:9000'
+>>> s.hadoop_options()["fs.s3a.bucket.bucket.path.style.access"]
+'true'
 """
+
 from __future__ import annotations
 
 import os
 import threading
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from txn_core.config import S3_SCHEMES, Config, ConfigError
 
@@ -38,9 +42,13 @@ PROBE_PREFIX = "_sys/write_probe"
 #: the environment variables through which the AWS chain finds credentials
 #: without asking the network (an EC2 instance role: a profile whose
 #: `credential_source` is `Ec2InstanceMetadata`)
-CREDENTIAL_SOURCES = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
-                      "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-                      "AWS_CONTAINER_CREDENTIALS_FULL_URI")
+CREDENTIAL_SOURCES = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_PROFILE",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+)
 _DEFAULT_REGION = "us-east-1"
 
 
@@ -63,10 +71,14 @@ class Storage:
     allow_http: bool = False
 
     @classmethod
-    def from_config(cls, config: Config) -> "Storage":
-        return cls(warehouse=config.warehouse, endpoint=config.s3_endpoint,
-                   region=config.s3_region, path_style=config.s3_path_style,
-                   allow_http=config.s3_allow_http)
+    def from_config(cls, config: Config) -> Storage:
+        return cls(
+            warehouse=config.warehouse,
+            endpoint=config.s3_endpoint,
+            region=config.s3_region,
+            path_style=config.s3_path_style,
+            allow_http=config.s3_allow_http,
+        )
 
     @property
     def is_s3(self) -> bool:
@@ -78,28 +90,37 @@ class Storage:
 
     @property
     def resolved_region(self) -> str:
-        return (self.region or os.environ.get("AWS_REGION")
-                or os.environ.get("AWS_DEFAULT_REGION") or _DEFAULT_REGION)
+        return (
+            self.region
+            or os.environ.get("AWS_REGION")
+            or os.environ.get("AWS_DEFAULT_REGION")
+            or _DEFAULT_REGION
+        )
 
     def describe(self) -> str:
         """Where the warehouse is, for messages (never a credential)."""
         if not self.is_s3:
             return self.warehouse
-        return f"{self.warehouse} (endpoint {self.endpoint or 'AWS S3'}, region " \
-               f"{self.resolved_region})"
+        return (
+            f"{self.warehouse} (endpoint {self.endpoint or 'AWS S3'}, region "
+            f"{self.resolved_region})"
+        )
 
     def delta_rs_options(self) -> dict[str, str] | None:
         """delta-rs storage options; None for a local or non-S3 warehouse,
         which delta-rs reaches with its defaults and the environment."""
         if not self.is_s3:
             return None
-        options = {"AWS_REGION": self.resolved_region,
-                   # delta-rs' default on S3; said here so that a change of
-                   # default could never make commits unsafe
-                   "AWS_CONDITIONAL_PUT": "etag"}
+        options = {
+            "AWS_REGION": self.resolved_region,
+            # delta-rs' default on S3; said here so that a change of
+            # default could never make commits unsafe
+            "AWS_CONDITIONAL_PUT": "etag",
+        }
         if self.endpoint:
-            options["AWS_ENDPOINT_URL"] = (self.endpoint if self.path_style
-                                           else _with_bucket_host(self.endpoint, self.bucket))
+            options["AWS_ENDPOINT_URL"] = (
+                self.endpoint if self.path_style else _with_bucket_host(self.endpoint, self.bucket)
+            )
         options["AWS_VIRTUAL_HOSTED_STYLE_REQUEST"] = "false" if self.path_style else "true"
         if self.allow_http:
             options["AWS_ALLOW_HTTP"] = "true"
@@ -111,17 +132,18 @@ class Storage:
         if not self.is_s3:
             return {}
         prefix = f"fs.s3a.bucket.{self.bucket}."
+        credentials = "software.amazon.awssdk.auth.credentials.DefaultCredentialsProvider"
         options = {
             prefix + "endpoint.region": self.resolved_region,
             prefix + "path.style.access": str(self.path_style).lower(),
             # the same chain delta-rs uses: environment, profile, web identity, container
-            prefix + "aws.credentials.provider":
-                "software.amazon.awssdk.auth.credentials.DefaultCredentialsProvider",
+            prefix + "aws.credentials.provider": credentials,
         }
         if self.endpoint:
             options[prefix + "endpoint"] = self.endpoint
             options[prefix + "connection.ssl.enabled"] = str(
-                self.endpoint.startswith("https://")).lower()
+                self.endpoint.startswith("https://")
+            ).lower()
         return options
 
     def s3_client(self) -> Any:  # a botocore S3 client: boto3 has no annotations
@@ -130,16 +152,24 @@ class Storage:
             import boto3
             from botocore.config import Config as BotoConfig
         except ImportError:
-            raise StorageError("an S3 warehouse needs boto3 to check the store before "
-                               "writing: pip install 'lakehouse-txn[s3]'") from None
+            raise StorageError(
+                "an S3 warehouse needs boto3 to check the store before "
+                "writing: pip install 'lakehouse-txn[s3]'"
+            ) from None
         # A session of its own: boto3's default one keeps the credentials it
         # first found, and this client must see those delta-rs will use now.
         return boto3.session.Session().client(
-            "s3", endpoint_url=self.endpoint or None, region_name=self.resolved_region,
-            config=BotoConfig(s3={"addressing_style": "path" if self.path_style else "virtual"},
-                              retries={"max_attempts": 2, "mode": "standard"},
-                              connect_timeout=5, read_timeout=20,
-                              request_checksum_calculation="when_required"))
+            "s3",
+            endpoint_url=self.endpoint or None,
+            region_name=self.resolved_region,
+            config=BotoConfig(
+                s3={"addressing_style": "path" if self.path_style else "virtual"},
+                retries={"max_attempts": 2, "mode": "standard"},
+                connect_timeout=5,
+                read_timeout=20,
+                request_checksum_calculation="when_required",
+            ),
+        )
 
     def check(self) -> None:
         """Prove the store usable for concurrent commits: credentials are
@@ -153,12 +183,13 @@ class Storage:
                 "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE (a profile of ~/.aws/credentials or "
                 "~/.aws/config; for an EC2 instance role, credential_source = "
                 "Ec2InstanceMetadata), or AWS_WEB_IDENTITY_TOKEN_FILE, or the container "
-                "credential variables")
+                "credential variables"
+            )
         try:
             enforced = _conditional_put_enforced(self)
         except StorageError:
             raise
-        except Exception as exc:  # botocore's errors carry the store's answer
+        except Exception as exc:  # noqa: BLE001 - botocore's errors carry the store's answer
             raise StorageError(self._explain(exc)) from None
         if not enforced:
             raise StorageError(
@@ -166,22 +197,43 @@ class Storage:
                 "(put-if-absent, If-None-Match: *): a second write of the same object "
                 "succeeded, so concurrent producers would lose commits. Use a store that "
                 "enforces them (AWS S3, MinIO, Cloudflare R2) or check s3_endpoint; "
-                "nothing was written to the warehouse")
+                "nothing was written to the warehouse"
+            )
 
     def _explain(self, exc: BaseException) -> str:
         text = str(exc)
         where = self.describe()
         if "NoSuchBucket" in text or "does not exist" in text:
             return f"bucket {self.bucket!r} does not exist at {where}"
-        if any(s in text for s in ("InvalidAccessKeyId", "SignatureDoesNotMatch",
-                                   "AccessDenied", "403 Forbidden", "ExpiredToken")):
-            return (f"the store at {where} refused the credentials (check AWS_ACCESS_KEY_ID / "
-                    "AWS_SECRET_ACCESS_KEY or AWS_PROFILE, and the bucket's policy)")
-        if any(s in text for s in ("error sending request", "Connection refused",
-                                   "connection error", "dns error", "timed out",
-                                   "tcp connect", "Could not connect")):
-            return (f"cannot reach the store at {where}: check s3_endpoint, s3_region and "
-                    "the network")
+        if any(
+            s in text
+            for s in (
+                "InvalidAccessKeyId",
+                "SignatureDoesNotMatch",
+                "AccessDenied",
+                "403 Forbidden",
+                "ExpiredToken",
+            )
+        ):
+            return (
+                f"the store at {where} refused the credentials (check AWS_ACCESS_KEY_ID / "
+                "AWS_SECRET_ACCESS_KEY or AWS_PROFILE, and the bucket's policy)"
+            )
+        if any(
+            s in text
+            for s in (
+                "error sending request",
+                "Connection refused",
+                "connection error",
+                "dns error",
+                "timed out",
+                "tcp connect",
+                "Could not connect",
+            )
+        ):
+            return (
+                f"cannot reach the store at {where}: check s3_endpoint, s3_region and the network"
+            )
         first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
         return f"cannot use the store at {where}: {first_line}"
 
@@ -200,8 +252,9 @@ def _with_bucket_host(endpoint: str, bucket: str) -> str:
 def _credentials_in_environment() -> bool:
     if any(os.environ.get(name) for name in CREDENTIAL_SOURCES):
         return True
-    shared = os.environ.get("AWS_SHARED_CREDENTIALS_FILE",
-                            os.path.join(os.path.expanduser("~"), ".aws", "credentials"))
+    shared = os.environ.get(
+        "AWS_SHARED_CREDENTIALS_FILE", os.path.join(os.path.expanduser("~"), ".aws", "credentials")
+    )
     return os.path.isfile(shared)
 
 
@@ -215,6 +268,7 @@ def _conditional_put_enforced(storage: Storage) -> bool:
     """
     client = storage.s3_client()
     from botocore.exceptions import ClientError
+
     prefix = storage.warehouse.split("://", 1)[1].partition("/")[2]
     key = "/".join(p for p in (prefix, PROBE_PREFIX, uuid.uuid4().hex) if p)
     client.put_object(Bucket=storage.bucket, Key=key, Body=b"probe", IfNoneMatch="*")

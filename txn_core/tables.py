@@ -6,6 +6,7 @@ only what was added since a version (DESIGN-NOTES "cursors are table
 versions"). No other table feature is enabled: delta-rs must stay able to
 write them (SPEC §2).
 """
+
 from __future__ import annotations
 
 import time
@@ -14,7 +15,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable
-from deltalake.exceptions import DeltaError, TableNotFoundError
+from deltalake.exceptions import TableNotFoundError
 
 from schemas import CHECK_ANSWERS, HALF, LEASE, OP, PRODUCERS, RUNS, TableSchema, table_path
 from schemas.arrow import arrow_schema
@@ -42,9 +43,12 @@ class MissingTableError(RuntimeError):
     """A table the caller needs does not exist (and may not be created here)."""
 
 
-def open_or_create(warehouse: str, table: TableSchema,
-                   configuration: dict[str, str] | None = None,
-                   storage_options: dict[str, str] | None = None) -> DeltaTable:
+def open_or_create(
+    warehouse: str,
+    table: TableSchema,
+    configuration: dict[str, str] | None = None,
+    storage_options: dict[str, str] | None = None,
+) -> DeltaTable:
     """Open `table` under `warehouse`, creating it when missing.
 
     Several processes may race to create the same table; the loser of the
@@ -60,18 +64,25 @@ def open_or_create(warehouse: str, table: TableSchema,
         except TableNotFoundError:
             pass
         try:
-            return DeltaTable.create(uri, arrow_schema(table), mode="error",
-                                     configuration=configuration or PRODUCER_TABLE_CONFIG,
-                                     storage_options=storage_options,
-                                     commit_properties=_CREATE_ONCE)
-        except (DeltaError, OSError, Exception) as exc:  # lost the race to create it
+            return DeltaTable.create(
+                uri,
+                arrow_schema(table),
+                mode="error",
+                configuration=configuration or PRODUCER_TABLE_CONFIG,
+                storage_options=storage_options,
+                commit_properties=_CREATE_ONCE,
+            )
+        # Lost the race to create it (delta-rs names that differently per store);
+        # a real failure recurs and is reported after the last attempt.
+        except Exception as exc:  # noqa: BLE001
             last = exc
             time.sleep(0.01 * (attempt + 1))
     raise MissingTableError(f"could not open or create {uri}: {last}") from last
 
 
-def open_existing(warehouse: str, table: TableSchema,
-                  storage_options: dict[str, str] | None = None) -> DeltaTable | None:
+def open_existing(
+    warehouse: str, table: TableSchema, storage_options: dict[str, str] | None = None
+) -> DeltaTable | None:
     """Open `table` if it exists, else None (e.g. check requests before the job ran)."""
     uri = table_path(warehouse, table)
     try:
@@ -80,21 +91,28 @@ def open_existing(warehouse: str, table: TableSchema,
         return None
 
 
-def ensure_broker_tables(warehouse: str,
-                         storage_options: dict[str, str] | None = None) -> dict[str, DeltaTable]:
+def ensure_broker_tables(
+    warehouse: str, storage_options: dict[str, str] | None = None
+) -> dict[str, DeltaTable]:
     """Create the tables the broker core writes; return handles keyed by path."""
-    return {t.path: open_or_create(warehouse, t, storage_options=storage_options)
-            for t in BROKER_TABLES}
+    return {
+        t.path: open_or_create(warehouse, t, storage_options=storage_options) for t in BROKER_TABLES
+    }
 
 
 def lease_table(warehouse: str, storage_options: dict[str, str] | None = None) -> DeltaTable:
     """The job's lease table, written through delta-rs (put-if-absent commits)."""
-    return open_or_create(warehouse, LEASE, configuration={"delta.checkpointInterval": "50"},
-                          storage_options=storage_options)
+    return open_or_create(
+        warehouse,
+        LEASE,
+        configuration={"delta.checkpointInterval": "50"},
+        storage_options=storage_options,
+    )
 
 
-def latest_run_rows(warehouse: str, columns: list[str] | None = None,
-                    storage_options: dict[str, str] | None = None) -> list[dict[str, Any]]:
+def latest_run_rows(
+    warehouse: str, columns: list[str] | None = None, storage_options: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
     """The `_sys/runs` rows (STARTED and/or COMMITTED) of the highest run
     number, read with delta-rs; [] before the job's first run.
 
@@ -119,7 +137,8 @@ def latest_run_rows(warehouse: str, columns: list[str] | None = None,
     if top is None:
         return []
     rows: list[dict[str, Any]] = runs.to_table(
-        columns=columns, filter=pc.field("run_number") == top).to_pylist()
+        columns=columns, filter=pc.field("run_number") == top
+    ).to_pylist()
     return rows
 
 

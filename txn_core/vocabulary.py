@@ -4,13 +4,24 @@ Every value here is stored in a table column (docs/protocol.md §2), so the
 members are `str` enums: they compare equal to the strings in the rows, and
 format as them in SQL and f-strings.
 """
+
 from __future__ import annotations
 
 import enum
 import re
 
-__all__ = ["Action", "CheckAnswer", "Decision", "OpOutcome", "RunStatus", "Source",
-           "SYSTEM_TOPIC_REGEX", "TOPIC_MAX_LEN", "TOPIC_PATTERN", "is_system_topic"]
+__all__ = [
+    "Action",
+    "CheckAnswer",
+    "Decision",
+    "OpOutcome",
+    "RunStatus",
+    "Source",
+    "SYSTEM_TOPIC_REGEX",
+    "TOPIC_MAX_LEN",
+    "TOPIC_PATTERN",
+    "is_system_topic",
+]
 
 
 class Action(enum.StrEnum):
@@ -73,14 +84,24 @@ TOPIC_MAX_LEN = 127
 TOPIC_PATTERN = r"^[A-Za-z0-9_%|\-]{1,127}$"
 #: topics RocketMQ reserves (TopicValidator.SYSTEM_TOPIC_SET), and the prefixes
 #: reserved in any case: RocketMQ's and our own tables'
-_SYSTEM_TOPICS = ("TBW102", "SCHEDULE_TOPIC_XXXX", "BenchmarkTest", "RMQ_SYS_TRANS_HALF_TOPIC",
-                  "RMQ_SYS_TRANS_OP_HALF_TOPIC", "TRANS_CHECK_MAX_TIME_TOPIC",
-                  "SELF_TEST_TOPIC", "OFFSET_MOVED_EVENT", "RMQ_SYS_TRACE_TOPIC")
+_SYSTEM_TOPICS = (
+    "TBW102",
+    "SCHEDULE_TOPIC_XXXX",
+    "BenchmarkTest",
+    "RMQ_SYS_TRANS_HALF_TOPIC",
+    "RMQ_SYS_TRANS_OP_HALF_TOPIC",
+    "TRANS_CHECK_MAX_TIME_TOPIC",
+    "SELF_TEST_TOPIC",
+    "OFFSET_MOVED_EVENT",
+    "RMQ_SYS_TRACE_TOPIC",
+)
 _SYSTEM_PREFIXES = ("rmq_sys_", "_sys")
 #: the system-topic rule as one regular expression that Python's `re` and
 #: Spark's `rlike` (Java's regex) read alike, so both engines apply one rule
-SYSTEM_TOPIC_REGEX = (f"^(?:{'|'.join(map(re.escape, _SYSTEM_TOPICS))})$"
-                      f"|^(?i:{'|'.join(map(re.escape, _SYSTEM_PREFIXES))})")
+SYSTEM_TOPIC_REGEX = (
+    f"^(?:{'|'.join(map(re.escape, _SYSTEM_TOPICS))})$"
+    f"|^(?i:{'|'.join(map(re.escape, _SYSTEM_PREFIXES))})"
+)
 _SYSTEM_TOPIC = re.compile(SYSTEM_TOPIC_REGEX)
 
 

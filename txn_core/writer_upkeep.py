@@ -18,12 +18,13 @@ whole log after every commit), and those behind `log_floor`
 (`txn_core.log_trim`). Checkpoints are written when the writer reports one due
 (its own commits bypass delta-rs' hook, `txn_core.blind_append`).
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from deltalake import CommitProperties, DeltaTable, WriterProperties
 from deltalake.exceptions import CommitFailedError
@@ -60,12 +61,17 @@ class WriterUpkeep:
     the senders' problem.
     """
 
-    def __init__(self, table_uri: str, *, name: str,
-                 storage_options: dict[str, str] | None = None,
-                 compact_every: int | None = COMPACT_EVERY,
-                 log_cleanup_every: int | None = LOG_CLEANUP_EVERY,
-                 log_floor: Callable[[], int | None] | None = None,
-                 writer_properties: WriterProperties | None = None):
+    def __init__(
+        self,
+        table_uri: str,
+        *,
+        name: str,
+        storage_options: dict[str, str] | None = None,
+        compact_every: int | None = COMPACT_EVERY,
+        log_cleanup_every: int | None = LOG_CLEANUP_EVERY,
+        log_floor: Callable[[], int | None] | None = None,
+        writer_properties: WriterProperties | None = None,
+    ):
         self._uri = table_uri
         self._name = name
         self._storage_options = storage_options
@@ -106,9 +112,11 @@ class WriterUpkeep:
     # --- upkeep thread --------------------------------------------------------------
 
     def _work_due(self) -> bool:
-        return (bool(self._checkpoints)
-                or bool(self.compact_every and self._small_files >= self.compact_every)
-                or bool(self.log_cleanup_every and self._commits >= self.log_cleanup_every))
+        return (
+            bool(self._checkpoints)
+            or bool(self.compact_every and self._small_files >= self.compact_every)
+            or bool(self.log_cleanup_every and self._commits >= self.log_cleanup_every)
+        )
 
     def _run(self) -> None:
         while True:
@@ -151,8 +159,9 @@ class WriterUpkeep:
                 self.transient_retries += 1
                 log.debug("upkeep of %s met a changing log (%s); next round", self._name, exc)
             else:
-                log.warning("upkeep of %s could not read the table; next round", self._name,
-                            exc_info=True)
+                log.warning(
+                    "upkeep of %s could not read the table; next round", self._name, exc_info=True
+                )
             return False
 
     def _write_checkpoint(self) -> None:
@@ -173,9 +182,11 @@ class WriterUpkeep:
         self.compactions += 1
         try:
             assert self._table is not None  # opened by _loaded(), which the caller checked
-            self._table.optimize.compact(target_size=COMPACT_TARGET_BYTES,
-                                         writer_properties=self._writer_properties,
-                                         commit_properties=_COMMIT)
+            self._table.optimize.compact(
+                target_size=COMPACT_TARGET_BYTES,
+                writer_properties=self._writer_properties,
+                commit_properties=_COMMIT,
+            )
         except CommitFailedError as exc:
             log.info("compaction of %s lost a race (%s); next round", self._name, exc)
         except Exception:  # noqa: BLE001
@@ -203,6 +214,7 @@ def is_transient(exc: BaseException) -> bool:
     """Whether `exc` is delta-rs meeting a log that others were changing: a
     gap in its listing, or an entry cleaned up between listing and reading."""
     text = str(exc)
-    vanished = "_delta_log" in text and ("not found" in text.lower()
-                                         or "no such file" in text.lower())
+    vanished = "_delta_log" in text and (
+        "not found" in text.lower() or "no such file" in text.lower()
+    )
     return TRANSIENT_LOG_ERROR in text or vanished
