@@ -1,4 +1,4 @@
-"""A run's counters (SPEC §5.3), taken while its kept rows are computed.
+"""A run's counters (docs/protocol.md §4.5), taken while its kept rows are computed.
 
 Each counter is an aggregate over rows the run computes anyway: the live
 messages' keys, the classified OPs, the decisions on the messages no OP

@@ -15,13 +15,7 @@ from pyspark.sql.types import LongType
 from jobs import appends
 from jobs.job_tables import NO_VERSION, WHOLE_STATE_TABLES
 from jobs.local import local_frame
-from schemas import (
-    CHECK_ANSWERS,
-    HALF,
-    OP,
-    TableSchema,
-    table_path,
-)
+from schemas import CHECK_ANSWERS, HALF, OP, TableSchema, table_path
 from schemas.spark import spark_schema
 from txn_core.delta_log import LOG_DIR, entry_name
 

@@ -64,7 +64,7 @@ def _boolean(text: str) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--conf", help="TOML configuration file (SPEC §4)")
+    common.add_argument("--conf", help="TOML configuration file (docs/protocol.md §6)")
     common.add_argument("--warehouse", help="root of all tables (overrides file and env)")
     for key in _RULE_FLAGS:
         kind = str if key == "check_budget" else int
@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status = sub.add_parser("status", parents=[common], help="report the pending set")
     status.add_argument("--now-ms", type=int, help="the clock for pending ages (ms)")
-    sub.add_parser("verify", parents=[common], help="full audit of the tables (SPEC §6)")
+    sub.add_parser(
+        "verify", parents=[common], help="full audit of the tables (docs/protocol.md §5)"
+    )
     resolve = sub.add_parser(
         "resolve", parents=[common], help="operator decision for one transaction (an ADMIN OP)"
     )
@@ -214,7 +216,7 @@ def cli() -> None:
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
-    # The exit code is the contract (SPEC §5.1), and the interpreter's teardown
+    # The exit code is the contract (docs/protocol.md §3.4), and the interpreter's teardown
     # can abort inside delta-rs' runtime ("terminate called without an active
     # exception", SIGABRT), turning 75 into -6: everything is written and
     # printed by now, so end the process here. (Spark's JVM exits when its

@@ -36,7 +36,7 @@ __all__ = ["RunSummary", "idle_ahead", "reconcile", "recover"]
 
 @dataclass
 class RunSummary(run_log.InputVersions):
-    """SPEC §5.3 counters of one run, plus the input versions it read."""
+    """The counters (docs/protocol.md §4.5) of one run, plus the input versions it read."""
 
     run_id: str
     now_ms: int

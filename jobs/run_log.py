@@ -10,10 +10,7 @@ from dataclasses import dataclass, field, fields
 import pyarrow as pa
 
 from jobs.tagged_writes import run_tag
-from schemas import (
-    RUNS,
-    table_path,
-)
+from schemas import RUNS, table_path
 from schemas.arrow import arrow_schema
 from txn_core.storage import options_for
 from txn_core.vocabulary import RunStatus

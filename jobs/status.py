@@ -1,4 +1,4 @@
-"""`status`: what is pending, as of the last committed run (SPEC §5.1)."""
+"""`status`: what is pending, as of the last committed run (docs/protocol.md §3.4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The reconciliation rules (SPEC §5.2) as DataFrame -> DataFrame functions.
+"""The reconciliation rules (docs/protocol.md §4) as DataFrame -> DataFrame functions.
 
 Nothing here reads or writes a table: the job (`jobs/reconcile.py`) hands in
 the pending set, the rows added since the previous run and, when needed, a
@@ -145,7 +145,7 @@ def conform(df: DataFrame, table: TableSchema, *extra: str) -> DataFrame:
 
 def half_reject_reason() -> Column:
     """Why a half row cannot be processed, or null. Evaluated per row: one bad
-    row is set aside and never stops the others (SPEC §5.2 step 7)."""
+    row is set aside and never stops the others (docs/protocol.md §4, rule 1)."""
     topic = F.col("topic")
     return (
         F.when(~topic.rlike(TOPIC_PATTERN), F.lit("invalid topic name"))
@@ -213,47 +213,31 @@ def history_targets(resolved: DataFrame, discarded: DataFrame) -> DataFrame:
         F.col("action").alias("prior_action"),
         F.col("after_discard").alias("discarded"),
     )
-    dis = discarded.select(
-        "half_offset",
-        "transaction_id",
-        "producer_group",
-        "topic",
-        "queue_id",
-        F.lit(None).cast("string").alias("prior_action"),
-        F.lit(True).alias("discarded"),
-    )
+    dis = _targets(discarded, discarded=True)
     # the rows of one message agree on its identity; max() just picks it deterministically
     return (
         res.unionByName(dis)
         .groupBy("half_offset")
-        .agg(
-            *[
-                F.max(c).alias(c)
-                for c in (
-                    "transaction_id",
-                    "producer_group",
-                    "topic",
-                    "queue_id",
-                    "prior_action",
-                    "discarded",
-                )
-            ]
-        )
+        .agg(*[F.max(c).alias(c) for c in (*_IDENTITY[1:], "prior_action", "discarded")])
     )
 
 
 def op_targets(live: DataFrame, history: DataFrame) -> DataFrame:
     """Every message an OP of this run may refer to, with its identity and queue."""
-    pending = live.select(
-        "half_offset",
-        "transaction_id",
-        "producer_group",
-        "topic",
-        "queue_id",
+    return _targets(live, discarded=False).unionByName(history)
+
+
+#: what identifies a message and its queue, in every table that names one
+_IDENTITY = ("half_offset", "transaction_id", "producer_group", "topic", "queue_id")
+
+
+def _targets(messages: DataFrame, *, discarded: bool) -> DataFrame:
+    """`messages` as OP targets no OP resolved before."""
+    return messages.select(
+        *_IDENTITY,
         F.lit(None).cast("string").alias("prior_action"),
-        F.lit(False).alias("discarded"),
+        F.lit(discarded).alias("discarded"),
     )
-    return pending.unionByName(history)
 
 
 def _sql_strings(values) -> str:

@@ -1,4 +1,4 @@
-"""`verify`: the full audit of SPEC I2/I3/I6, recomputed from the raw tables.
+"""`verify`: the full audit of I2, I3 and I6 (docs/protocol.md §5), recomputed from the raw tables.
 
 The job works incrementally (pending set + rows added since the last run).
 This audit does not trust any of that: it reads the whole history of
@@ -12,7 +12,7 @@ What counts as "processed" comes from `_sys/runs`: only halves and OPs up to
 the input versions of the last committed run are judged; newer rows are
 legitimately not handled yet. The same table dates every OP (the run whose
 input range holds its version) and every discard (the run that wrote it), which
-is what "an OP arriving after the discard" means (SPEC §5.2 step 2).
+is what "an OP arriving after the discard" means (docs/protocol.md §4, rule 3).
 
 The rules, independent of `jobs.transforms`:
 - an OP is valid when a half with its half_offset was visible to the run that
@@ -68,7 +68,7 @@ from txn_core.vocabulary import (
     Source,
 )
 
-# RocketMQ's topic rule and system names (SPEC §3 item 9): a half row breaking
+# RocketMQ's topic rule and system names (docs/protocol.md §3.1, item 8): a half row breaking
 # them did not come from the broker core and is set aside by the job.
 # The message's content as the half row has it; a topic, pending or discard row
 # must carry it unchanged (I3).

@@ -2,7 +2,7 @@
 
 The broker core derives pyarrow schemas from these (`schemas.arrow`), the job
 derives Spark StructTypes (`schemas.spark`); `tests/test_schemas.py` proves the
-two agree. Column names of the public tables are fixed by SPEC §2.
+two agree. Column names of the public tables are fixed by docs/protocol.md §2.
 """
 
 from schemas.tables import (

@@ -24,7 +24,7 @@ class TableSchema:
 
     path: str
     columns: tuple[Column, ...]
-    #: the engine that writes the table (SPEC §2 "one writer engine per table")
+    #: the engine that writes the table (docs/protocol.md §2, "one writer engine per table")
     writer: str = "job"
 
     @property
@@ -158,7 +158,7 @@ TOPIC = TableSchema(
 )
 
 # One row per Broker.open: the version of that commit is the broker's offset
-# epoch (DESIGN-NOTES "unique offsets across processes").
+# epoch (I1: txn_core/offsets.py).
 PRODUCERS = TableSchema(
     "_sys/producers",
     _cols(
@@ -172,7 +172,7 @@ PRODUCERS = TableSchema(
 
 # --- the job's private state -------------------------------------------------
 
-# Counters of one run (SPEC §5.3), kept as columns of `_sys/runs` so they can be
+# Counters of one run (docs/protocol.md §4.5), kept as columns of `_sys/runs` so they can be
 # queried with SQL; `summary_json` holds the same summary verbatim.
 RUN_COUNTERS = (
     "half_read",

@@ -29,7 +29,7 @@ kept. (With a BashOperator running `scripts/submit.sh`, the built-in
 `skip_on_exit_code=75` does the same.)
 
 The module imports without Airflow: the command and the operator's keyword
-arguments are built by plain functions, tested in tests/test_airflow_dag.py;
+arguments are built by plain functions, tested in tests/runs/test_airflow_dag.py;
 the DAG object is defined only when Airflow is importable.
 """
 
@@ -44,7 +44,7 @@ try:
 except ImportError:  # Airflow's dags folder need not have the repo on sys.path
     DELTA_JAR = "io.delta:delta-spark_4.2_2.13:4.4.0"
 
-#: exit code of a run that found another run holding the lease (SPEC §5.1)
+#: exit code of a run that found another run holding the lease (docs/protocol.md §3.4)
 EXIT_LEASE_HELD = 75
 SCHEDULE = "*/1 * * * *"
 DAG_ID = "txn_reconcile"
@@ -110,7 +110,7 @@ def is_lease_held(returncode: int | None) -> bool:
 DEFAULT_ARGS = {
     "owner": "txn",
     # Exit 1 (e.g. storage briefly unavailable) is worth retrying; a crashed run
-    # is completed by the next attempt (SPEC I4), so retrying is always safe.
+    # is completed by the next attempt (I4, docs/protocol.md §5), so retrying is always safe.
     "retries": 2,
     "retry_delay": timedelta(seconds=30),
     # Past this Airflow kills spark-submit; the lease then frees itself after

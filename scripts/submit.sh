@@ -26,7 +26,7 @@ pyfiles="$("$python" "$repo/scripts/build_pyfiles.py")"
 driver_opts="$(cd "$repo" && "$python" -c 'from jobs.session import driver_java_options; print(driver_java_options())')"
 
 export PYSPARK_PYTHON="${PYSPARK_PYTHON:-$(command -v "$python")}"
-# SPARK_TESTING makes Ivy look in ./dummy/.m2 instead of ~/.m2 (SPEC §7).
+# SPARK_TESTING makes Ivy look in ./dummy/.m2 instead of ~/.m2.
 unset SPARK_TESTING
 
 # shellcheck disable=SC2086  # TXN_SUBMIT_ARGS is meant to split into options

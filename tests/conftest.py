@@ -4,16 +4,14 @@ S3-compatible server on loopback for the object-store tests."""
 from __future__ import annotations
 
 import os
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
+from s3_loopback import Running
 
-from s3_loopback import Running  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 #: the test session's AWS credentials: distinctive, so tests can show that
 #: they appear in no output, table or error

@@ -113,3 +113,23 @@ def write_ops(warehouse: str, *rows: dict) -> None:
 
 def write_answers(warehouse: str, *rows: dict) -> None:
     _append(warehouse, CHECK_ANSWERS, rows)
+
+
+# --- columns for the broker core's writers (txn_core.group_commit) ---
+
+#: the store_ms a writer stamps in the writer tests
+STORE_MS = 1234
+
+
+def op_rows(offsets: list[int]) -> dict[str, list]:
+    """OP columns for `offsets` (all but store_ms, which the writer stamps)."""
+    n = len(offsets)
+    return {
+        "op_offset": offsets,
+        "half_offset": offsets,
+        "transaction_id": [f"tx-{o}" for o in offsets],
+        "producer_group": ["g"] * n,
+        "action": ["COMMIT"] * n,
+        "source": ["PRODUCER"] * n,
+        "remark": [None] * n,
+    }

@@ -1,7 +1,7 @@
 """The broker core: RocketMQ-style transactional producers on Delta Lake tables.
 
 Producers append half and OP rows through delta-rs (no JVM); the reconciliation
-job (`jobs/`) does the rest. See SPEC §3.
+job (`jobs/`) does the rest. See docs/protocol.md §3.
 
 >>> from txn_core import Broker, Message, TransactionProducer, load_config
 """

@@ -20,7 +20,7 @@ from typing import Any, overload
 import pyarrow.compute as pc
 from deltalake import DeltaTable
 
-from schemas import HALF, OP, table_path
+from schemas import HALF, OP, TableSchema, table_path
 from schemas.arrow import arrow_schema
 from txn_core.config import Config, absolute_warehouse
 from txn_core.errors import BrokerClosedError, PersistError
@@ -66,43 +66,34 @@ class Broker:
             register_epoch(producers, self.broker_id, clock()),
             lambda: register_epoch(producers, self.broker_id, clock()),
         )
-        self._half: GroupCommitWriter | DirectWriter
-        self._op: GroupCommitWriter | DirectWriter
-        if group_commit:
+        #: columns whose values are unique by construction: no dictionary encoding
+        plain = {
+            HALF: ("half_offset", "transaction_id", "msg_id"),
+            OP: ("op_offset", "half_offset", "transaction_id"),
+        }
+
+        def writer(table: TableSchema) -> GroupCommitWriter | DirectWriter:
+            if not group_commit:  # one commit per call: only for measuring what group commit buys
+                return DirectWriter(
+                    table_path(warehouse, table),
+                    arrow_schema(table),
+                    name=table.path,
+                    clock=clock,
+                    storage_options=storage_options,
+                )
             # The log is trimmed behind the job's cursor (txn_core.log_trim).
-            self._half = GroupCommitWriter(
-                self._tables[HALF.path],
-                arrow_schema(HALF),
-                name=HALF.path,
+            return GroupCommitWriter(
+                self._tables[table.path],
+                arrow_schema(table),
+                name=table.path,
                 clock=clock,
-                log_floor=lambda: job_cursor(warehouse, HALF, storage_options),
-                plain_columns=("half_offset", "transaction_id", "msg_id"),
+                log_floor=lambda: job_cursor(warehouse, table, storage_options),
+                plain_columns=plain[table],
                 storage_options=storage_options,
             )
-            self._op = GroupCommitWriter(
-                self._tables[OP.path],
-                arrow_schema(OP),
-                name=OP.path,
-                clock=clock,
-                log_floor=lambda: job_cursor(warehouse, OP, storage_options),
-                plain_columns=("op_offset", "half_offset", "transaction_id"),
-                storage_options=storage_options,
-            )
-        else:  # one commit per call: only for measuring what group commit buys
-            self._half = DirectWriter(
-                table_path(warehouse, HALF),
-                arrow_schema(HALF),
-                name=HALF.path,
-                clock=clock,
-                storage_options=storage_options,
-            )
-            self._op = DirectWriter(
-                table_path(warehouse, OP),
-                arrow_schema(OP),
-                name=OP.path,
-                clock=clock,
-                storage_options=storage_options,
-            )
+
+        self._half = writer(HALF)
+        self._op = writer(OP)
         self._closed = False
         self._close_lock = threading.Lock()
 

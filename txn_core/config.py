@@ -1,4 +1,4 @@
-"""Configuration: one TOML format for every entry point (SPEC §4).
+"""Configuration: one TOML format for every entry point (docs/protocol.md §6).
 
 Precedence, highest first: explicit overrides (CLI flags, keyword arguments) >
 environment variables `TXN_<KEY>` > the TOML file > defaults. Every value is
@@ -106,15 +106,8 @@ class Config:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], origin: str = "mapping") -> Config:
-        """Build from a plain dict of SPEC §4 keys (missing keys take defaults)."""
-        unknown = sorted(set(values) - set(_SPECS))
-        if unknown:
-            raise ConfigError(
-                f"unknown configuration key(s) {', '.join(map(repr, unknown))} "
-                f"in {origin}; known keys: {', '.join(_SPECS)}"
-            )
-        for key, value in values.items():
-            _check(key, value, origin)
+        """Build from a plain dict of configuration keys (missing keys take defaults)."""
+        _check_all(values, origin)
         return cls(**dict(values))
 
 
@@ -152,6 +145,18 @@ _SPECS: dict[str, tuple[type, Callable[[Any], bool], str]] = {
 }
 
 _BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def _check_all(values: Mapping[str, Any], origin: str) -> None:
+    """Refuse unknown keys and bad values, naming where they came from."""
+    unknown = sorted(set(values) - set(_SPECS))
+    if unknown:
+        raise ConfigError(
+            f"unknown configuration key(s) {', '.join(map(repr, unknown))} "
+            f"in {origin}; known keys: {', '.join(_SPECS)}"
+        )
+    for key, value in values.items():
+        _check(key, value, origin)
 
 
 def _check(key: str, value: Any, origin: str) -> None:
@@ -229,21 +234,14 @@ def load_config(
     layers.append((_from_env(env), "the environment"))
     layers.append(({k: v for k, v in overrides.items() if v is not None}, "arguments"))
     for values, origin in layers:
-        unknown = sorted(set(values) - set(_SPECS))
-        if unknown:
-            raise ConfigError(
-                f"unknown configuration key(s) {', '.join(map(repr, unknown))} "
-                f"in {origin}; known keys: {', '.join(_SPECS)}"
-            )
-        for key, value in values.items():
-            _check(key, value, origin)
-            merged[key] = value
-            origins[key] = origin
+        _check_all(values, origin)
+        merged.update(values)
+        origins.update(dict.fromkeys(values, origin))
     return Config(**merged)
 
 
 def as_config(config: Config | Mapping[str, Any]) -> Config:
-    """Accept a `Config` or a plain dict of SPEC §4 keys (notebooks pass dicts)."""
+    """Accept a `Config` or a plain dict of configuration keys (notebooks pass dicts)."""
     if isinstance(config, Config):
         return config
     return Config.from_mapping(config)

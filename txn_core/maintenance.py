@@ -1,4 +1,4 @@
-"""Keeping the producer tables healthy, from the producer side (SPEC §2, I5).
+"""Keeping the producer tables healthy, from the producer side (docs/protocol.md §2, I5).
 
 Group commit at thousands of messages a second leaves many small files and a
 long log. `maintain` compacts small files (a rewrite with dataChange=false:

@@ -109,7 +109,8 @@ class TransactionProducer:
     def _report(
         self, state: LocalTransactionState, stored: StoredMessages
     ) -> tuple[bool, BaseException | None]:
-        """Write the decision's OP rows; a failure is returned, not raised (SPEC §3.4)."""
+        """Write the decision's OP rows; a failure is returned, not raised
+        (docs/protocol.md §3.1, item 4)."""
         if state.action is None:
             return False, None
         try:

@@ -2,9 +2,9 @@
 
 The producer tables (`_sys/half`, `_sys/op`, `_sys/check_answers`) are
 created here with the change data feed on, so the job and the producers read
-only what was added since a version (DESIGN-NOTES "cursors are table
-versions"). No other table feature is enabled: delta-rs must stay able to
-write them (SPEC §2).
+only what was added since a version (a run's cursors are table versions,
+docs/protocol.md §4). No other table feature is enabled: delta-rs must stay
+able to write them (docs/protocol.md §2).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Keeping a group-commit writer's table healthy, beside the writer, not in its way.
 
 A producer table committed to tens of times a second needs, from the producer
-side (SPEC §2): checkpoints, compaction of the small file every commit makes,
+side (docs/protocol.md §2): checkpoints, compaction of the small file every commit makes,
 and log clean-up. Done in the writer's thread they stalled every sender
 waiting on that table: measured under bench_broker's load, a compaction took
 230 ms, a checkpoint 160 ms and a clean-up 50 ms, a fifth of the writer's

@@ -2,14 +2,13 @@
 
 import os
 import subprocess
-import sys
 from pathlib import Path
+
+import build_class_archive
 
 from jobs.session import DELTA_JAR, LONG_RUN_GC, SHORT_LIVED_JVM, driver_java_options, resolved_jars
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
-import build_class_archive  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _jar(tmp_path, name: str) -> str:

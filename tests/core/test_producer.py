@@ -1,4 +1,4 @@
-"""Broker core semantics, SPEC §3 points 1–9."""
+"""Broker core semantics, docs/protocol.md §3.1, items 1–8."""
 
 import os
 import shutil

@@ -20,7 +20,7 @@ class Commit(TransactionListener):
 
 
 # Writer features delta-rs 1.6 can write; anything else on a producer table would
-# lock the producers out (SPEC §2).
+# lock the producers out (docs/protocol.md §2).
 DELTA_RS_WRITABLE = {
     "appendOnly",
     "invariants",

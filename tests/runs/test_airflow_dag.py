@@ -11,7 +11,7 @@ import pytest
 
 from jobs.session import DELTA_JAR
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DAG_FILE = REPO / "scripts" / "airflow_dag.py"
 
 

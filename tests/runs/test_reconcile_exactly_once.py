@@ -20,7 +20,7 @@ from jobs.reconcile import reconcile, recover
 
 import factories as fx
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 T = 500 * 3_600_000
 #: producer-side and lease tables are not outputs of the job
 NOT_OUTPUTS = {"_sys/half", "_sys/op", "_sys/check_answers", "_sys/producers", "_sys/lease"}

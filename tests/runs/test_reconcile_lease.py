@@ -18,7 +18,7 @@ from schemas import HALF, RUNS, table_path
 
 import factories as fx
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

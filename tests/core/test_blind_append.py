@@ -12,7 +12,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 from deltalake import DeltaTable, write_deltalake
-from test_group_commit import STORE_MS, op_rows
 
 from schemas import HALF, OP, table_path
 from schemas.arrow import arrow_schema
@@ -20,6 +19,8 @@ from txn_core import PersistError
 from txn_core.blind_append import BlindAppender, TableChanged, unsupported_reason
 from txn_core.group_commit import GroupCommitWriter, to_arrow
 from txn_core.tables import open_or_create
+
+from factories import STORE_MS, op_rows
 
 
 def half_rows(offsets: list[int]) -> pa.Table:

@@ -7,7 +7,6 @@ A master and one worker are started on loopback from pyspark's own
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import select
@@ -21,18 +20,14 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
+import build_pyfiles
 import pytest
 
-import factories as f
+import factories as fx
 
 pytestmark = pytest.mark.spark  # a Spark cluster of its own
 
-REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location(
-    "build_pyfiles", REPO / "scripts" / "build_pyfiles.py"
-)
-build_pyfiles = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(build_pyfiles)
+REPO = Path(__file__).resolve().parents[2]
 
 STARTUP_TIMEOUT_S = 60
 #: what the worker logs once the master has accepted it
@@ -71,7 +66,7 @@ def _base_env() -> dict[str, str]:
     env["SPARK_LOCAL_IP"] = "127.0.0.1"
     env["PYSPARK_PYTHON"] = sys.executable
     env["PYTHON"] = sys.executable
-    # SPARK_TESTING would make Ivy look for the Delta jar in ./dummy/.m2 (SPEC §7).
+    # SPARK_TESTING would make Ivy look for the Delta jar in ./dummy/.m2.
     env.pop("SPARK_TESTING", None)
     # The test session's own PySpark settings must not leak into the children.
     for key in ("PYSPARK_GATEWAY_PORT", "PYSPARK_GATEWAY_SECRET", "SPARK_SUBMIT_ARGS"):
@@ -282,15 +277,15 @@ def _write_warehouse(warehouse: str) -> dict:
     """Three commits, a rollback and a pending message, written as producers do."""
     store = 1_000_000
     halves = [
-        f.half(100 + i, store_ms=store, queue_id=i % 2, body=bytes([i, 0, 255]) * 3)
+        fx.half(100 + i, store_ms=store, queue_id=i % 2, body=bytes([i, 0, 255]) * 3)
         for i in range(5)
     ]
-    f.write_halves(warehouse, *halves[:3])
-    f.write_halves(warehouse, *halves[3:])
-    f.write_ops(
+    fx.write_halves(warehouse, *halves[:3])
+    fx.write_halves(warehouse, *halves[3:])
+    fx.write_ops(
         warehouse,
         *[
-            f.op(halves[i], action, op_offset=500 + i)
+            fx.op(halves[i], action, op_offset=500 + i)
             for i, action in enumerate(["COMMIT", "COMMIT", "ROLLBACK", "COMMIT"])
         ],
     )

@@ -14,21 +14,7 @@ from txn_core import PersistError
 from txn_core.group_commit import GroupCommitWriter
 from txn_core.tables import PRODUCER_TABLE_CONFIG, open_or_create
 
-STORE_MS = 1234
-
-
-def op_rows(offsets: list[int]) -> dict[str, list]:
-    """OP columns for `offsets` (all but store_ms, which the writer stamps)."""
-    n = len(offsets)
-    return {
-        "op_offset": offsets,
-        "half_offset": offsets,
-        "transaction_id": [f"tx-{o}" for o in offsets],
-        "producer_group": ["g"] * n,
-        "action": ["COMMIT"] * n,
-        "source": ["PRODUCER"] * n,
-        "remark": [None] * n,
-    }
+from factories import STORE_MS, op_rows
 
 
 def open_writer(warehouse: str, configuration: dict | None = None, **kwargs) -> GroupCommitWriter:

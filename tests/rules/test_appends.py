@@ -12,7 +12,8 @@ from jobs import appends, inputs, job_tables
 from schemas import HALF, PENDING, table_path
 from schemas.arrow import arrow_schema
 from schemas.spark import spark_schema
-from tests import factories as fx
+
+import factories as fx
 
 
 def _rows(df) -> list[tuple]:

@@ -1,4 +1,4 @@
-"""The rules of SPEC §5.2 on in-memory DataFrames (no tables): one test per boundary."""
+"""The rules of docs/protocol.md §4 on in-memory DataFrames (no tables): one test per boundary."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`verify` recomputes every message's fate from the raw tables (SPEC I2/I3/I6).
+"""`verify` recomputes every message's fate from the raw tables (I2, I3, I6: docs/protocol.md §5).
 
 A warehouse is reconciled by the real job over two runs (deliveries to two
 topics and two queues, a rollback, invalid/duplicate/conflicting OPs, an
@@ -17,7 +17,7 @@ import pytest
 
 from schemas import DISCARD, HALF, PENDING, table_path, topic_path
 
-import factories as f
+import factories as fx
 
 T0 = 1_000_000_000_000
 T1 = T0 + 1_000  # run 1: fresh messages still immune (6 s default)
@@ -34,22 +34,22 @@ def build_reconciled(spark, wh: str) -> dict:
     from jobs.reconcile import reconcile
 
     m = {
-        "c1": f.half(9001, store_ms=T0, queue_id=0),
-        "c2": f.half(9002, store_ms=T0, queue_id=0),
-        "c3": f.half(9003, store_ms=T0, queue_id=1, body=bytes(range(256))),
-        "pay": f.half(9004, store_ms=T0, topic="PAY", queue_id=0),
-        "rb": f.half(9005, store_ms=T0),
-        "pending": f.half(9006, store_ms=T0),
-        "dup": f.half(9007, store_ms=T0),
-        "conflict": f.half(9008, store_ms=T0),
-        "bad_then_good": f.half(9009, store_ms=T0),
-        "expired_late": f.half(9010, store_ms=T1 - 2 * HOUR),
-        "expired_admin": f.half(9011, store_ms=T1 - 2 * HOUR),
-        "max_checks": f.half(9012, store_ms=T0 - 10_000),
-        "small_op_offset": f.half(9013, store_ms=T0),
+        "c1": fx.half(9001, store_ms=T0, queue_id=0),
+        "c2": fx.half(9002, store_ms=T0, queue_id=0),
+        "c3": fx.half(9003, store_ms=T0, queue_id=1, body=bytes(range(256))),
+        "pay": fx.half(9004, store_ms=T0, topic="PAY", queue_id=0),
+        "rb": fx.half(9005, store_ms=T0),
+        "pending": fx.half(9006, store_ms=T0),
+        "dup": fx.half(9007, store_ms=T0),
+        "conflict": fx.half(9008, store_ms=T0),
+        "bad_then_good": fx.half(9009, store_ms=T0),
+        "expired_late": fx.half(9010, store_ms=T1 - 2 * HOUR),
+        "expired_admin": fx.half(9011, store_ms=T1 - 2 * HOUR),
+        "max_checks": fx.half(9012, store_ms=T0 - 10_000),
+        "small_op_offset": fx.half(9013, store_ms=T0),
     }
-    f.write_halves(wh, *[m[k] for k in ("c1", "c2", "c3", "pay", "rb")])
-    f.write_halves(
+    fx.write_halves(wh, *[m[k] for k in ("c1", "c2", "c3", "pay", "rb")])
+    fx.write_halves(
         wh,
         *[
             m[k]
@@ -65,37 +65,37 @@ def build_reconciled(spark, wh: str) -> dict:
             )
         ],
     )
-    f.write_ops(
+    fx.write_ops(
         wh,
-        f.op(m["c2"], op_offset=7002),
-        f.op(m["c1"], op_offset=7001),
-        f.op(m["rb"], "ROLLBACK", op_offset=7005),
+        fx.op(m["c2"], op_offset=7002),
+        fx.op(m["c1"], op_offset=7001),
+        fx.op(m["rb"], "ROLLBACK", op_offset=7005),
     )
-    f.write_ops(
+    fx.write_ops(
         wh,
-        f.op(m["c3"], op_offset=7003),
-        f.op(m["pay"], op_offset=7004),
-        f.op(m["dup"], op_offset=7007),
-        f.op(m["dup"], op_offset=7008),
-        f.op(m["conflict"], op_offset=7009),
-        f.op(m["conflict"], "ROLLBACK", op_offset=7010),
-        f.op(m["bad_then_good"], op_offset=7011, producer_group="other_group"),
-        {**f.op(m["c1"], op_offset=7012), "half_offset": 123456},
+        fx.op(m["c3"], op_offset=7003),
+        fx.op(m["pay"], op_offset=7004),
+        fx.op(m["dup"], op_offset=7007),
+        fx.op(m["dup"], op_offset=7008),
+        fx.op(m["conflict"], op_offset=7009),
+        fx.op(m["conflict"], "ROLLBACK", op_offset=7010),
+        fx.op(m["bad_then_good"], op_offset=7011, producer_group="other_group"),
+        {**fx.op(m["c1"], op_offset=7012), "half_offset": 123456},
     )
     reconcile(spark, _config(wh), now_ms=T1)
 
     # op_offset 6999 is the smallest of all, but its commit is the last one:
     # commit order (table version first) puts it after every run-1 delivery.
-    f.write_ops(
+    fx.write_ops(
         wh,
-        f.op(m["small_op_offset"], op_offset=6999),
-        f.op(m["bad_then_good"], op_offset=7013),
-        f.op(m["expired_late"], op_offset=7014),
-        f.op(m["expired_admin"], op_offset=7015, source="ADMIN"),
+        fx.op(m["small_op_offset"], op_offset=6999),
+        fx.op(m["bad_then_good"], op_offset=7013),
+        fx.op(m["expired_late"], op_offset=7014),
+        fx.op(m["expired_admin"], op_offset=7015, source="ADMIN"),
     )
     reconcile(spark, _config(wh), now_ms=T2)
     # Written after the last run: legitimately not processed yet.
-    f.write_halves(wh, f.half(9099, store_ms=T2))
+    fx.write_halves(wh, fx.half(9099, store_ms=T2))
     return m
 
 
@@ -160,9 +160,9 @@ def test_outputs_of_an_unfinished_run_are_not_judged(spark, copy, monkeypatch):
     from jobs.reconcile import reconcile
 
     wh, m = copy
-    fresh = f.half(9020, store_ms=T2)
-    f.write_halves(wh, fresh)
-    f.write_ops(wh, f.op(fresh, op_offset=7020))
+    fresh = fx.half(9020, store_ms=T2)
+    fx.write_halves(wh, fresh)
+    fx.write_ops(wh, fx.op(fresh, op_offset=7020))
     monkeypatch.setenv("TXN_FAULT_AT", "after:topics/ORDER")
     with pytest.raises(InjectedFault):
         reconcile(spark, _config(wh), now_ms=T2 + 1)

@@ -6,7 +6,6 @@ import os
 
 import pyarrow as pa
 from deltalake import DeltaTable
-from test_group_commit import STORE_MS, op_rows
 
 from jobs.reconcile import reconcile
 from jobs.verify import verify
@@ -25,6 +24,7 @@ from txn_core.maintenance import maintain
 from txn_core.tables import PRODUCER_TABLE_CONFIG, open_or_create
 
 import factories as fx
+from factories import STORE_MS, op_rows
 
 #: a checkpoint every 5 commits, and a time-based retention that drops nothing
 EVERY_5 = dict(PRODUCER_TABLE_CONFIG, **{"delta.checkpointInterval": "5"})
