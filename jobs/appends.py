@@ -1,27 +1,16 @@
 """Delta tables read as plain parquet where their log allows: the rows a producer
 table gained between two versions, and a state table read whole.
 
-Why not Delta's change data feed: its batch reader (`DeltaCDFRelation`)
-hands Spark its rows as an `RDD[Row]`, so every row is converted to a JVM
-object and back. For the half table, whose rows carry the message bodies,
-that made reading 1,000,000 new rows cost ~12 s of CPU on 2 cores, where
-reading the same files as parquet (vectorized, no conversion) costs 2-3 s:
-the largest single cost of a run.
-
-What is read instead: the producer tables only grow by blind appends
-(group commits, batches) and by compactions that rewrite files without
-changing data (dataChange=false). For such commits the change feed's
-inserts are exactly the rows of the files their `add` actions mark
-dataChange=true, which `appended_files` lists from the commits' log entries
-and `read_appended` reads, each row with the version that added it. Anything
-else in the range — a DELETE's change files, a deletion vector, partitions,
-column mapping, a file added twice (a RESTORE) — and any table neither on a
-local disk nor on S3 (where the entries are fetched with the warehouse's
-client, several at a time) fall back to the change data feed, which is
-always right.
-
-A table read whole (the pending set, the queues) is read the same way, as
-the files of its snapshot (`snapshot_files`), under the same conditions.
+Not through Delta's change data feed: its batch reader (`DeltaCDFRelation`)
+converts every row to a JVM object and back, for the half table's bodies the
+largest single cost of a run, where parquet is read vectorized. The producer
+tables only grow by blind appends and by compactions that change no data
+(dataChange=false), and for such commits the feed's inserts are exactly the
+rows of the files their `add` actions mark dataChange=true: `appended_files`
+lists them from the log entries, `read_appended` reads them. Any other commit
+in the range, or a table neither on a local disk nor on S3, falls back to the
+change data feed, which is always right. A table read whole (the pending set,
+the queues) is read the same way (`snapshot_files`).
 """
 
 from __future__ import annotations
@@ -54,8 +43,11 @@ def log_entry(root: str, version: int) -> str:
 
 def appended_files(path: str, after: int, upto: int) -> list[tuple[int, str]] | None:
     """(version, file path) of every data file the commits (after, upto]
-    added with dataChange=true, when each of those commits is one the
-    module's docstring can read as parquet; otherwise None.
+    added with dataChange=true, when each of those commits can be read as
+    parquet (no DELETE's change files, deletion vector, partitions, column
+    mapping or file added twice, as by a RESTORE) and the table is on a local
+    disk or on S3 (its entries fetched with the warehouse's client, several
+    at a time); otherwise None.
 
     The caller checked that the log still holds version after + 1; a later
     entry missing (removed meanwhile) also gives None, and the change data
@@ -153,9 +145,9 @@ def snapshot_files(path: str, version: int) -> list[str] | None:
     files' rows as written (no deletion vectors, column mapping or
     partitions) and they are on a local disk or S3; otherwise None.
 
-    Listed from the log by delta-rs in milliseconds, where Delta's own
-    reader first computes the table's snapshot in a Spark job (~0.4 s on 2
-    cores; for the pending set, before the run can start its first pass).
+    Listed from the log by delta-rs, where Delta's own reader first computes
+    the table's snapshot in a Spark job (for the pending set, before the run
+    can start its first pass).
     """
     if local_path(path) is None and not is_s3(path):
         return None

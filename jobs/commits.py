@@ -1,26 +1,16 @@
 """A run's write to a Delta table in two steps: Spark writes the rows as
 parquet files, delta-rs commits them.
 
-Why not Delta's own Spark writer: besides writing the files, it computes the
-table's snapshot in Spark jobs before each commit (for an overwrite, every
-file of it), collects statistics in every task and runs post-commit jobs. A
-run writes up to eight tables, so on 2 cores that machinery cost ~2.7 s of a
-run over a million messages (same session, alternated: 15.3 s -> 12.6 s),
-most of it for the two small tables a run overwrites (the pending set, the
-queues). Here the files are what Delta's writer would write (Spark's parquet
-writer, the session's settings), moved into the table's directory, and the
-commit is the Delta commit of their `add` actions (and, for an overwrite,
-the `remove` of every file they replace), tagged with the run like every
-write of the job (`tagged_writes.write_for_run`). Statistics are taken from the
-files' footers, which the parquet writer fills anyway.
-
-Used only where that commit is exactly what Delta's writer would commit
-(`committable`): a table on a local disk whose protocol asks for nothing
-beyond the change data feed — whole files added or removed need no change
-files: readers of the feed take added files as inserts and removed ones as
-deletes — with no CHECK constraint, invariant or generated column to
-enforce, and with the rows' columns. Anywhere else Delta's writer does the
-write, as it always may.
+Not through Delta's own Spark writer: before each commit it computes the
+table's snapshot in Spark jobs (for an overwrite, every file of it), collects
+statistics in every task and runs post-commit jobs, for each of the up to
+eight tables a run writes, mostly for the two small ones it overwrites (the
+pending set, the queues). Here the files are what Delta's writer would write
+(Spark's parquet writer, the session's settings), and the commit holds their
+`add` actions (for an overwrite, the `remove` of the files they replace),
+tagged with the run (`tagged_writes.write_for_run`), statistics taken from
+the footers. Used only where that is exactly what Delta's writer would commit
+(`committable`); anywhere else Delta's writer does the write, as it may.
 """
 
 from __future__ import annotations
@@ -49,8 +39,11 @@ STRING_PREFIX = 32
 
 
 def committable(path: str, df: DataFrame):
-    """The delta-rs table at `path` when this module can write `df` to it
-    (the module docstring's conditions), else None."""
+    """The delta-rs table at `path` when this module can write `df` to it,
+    else None: a table on a local disk whose protocol asks for nothing beyond
+    the change data feed (whole files added or removed need no change files:
+    the feed's readers take them as inserts and deletes), with no CHECK
+    constraint, invariant or generated column to enforce, and `df`'s columns."""
     root = local_path(path)
     if root is None:
         return None
@@ -179,8 +172,7 @@ def _check_mode(mode: str) -> None:
 def _writer(df: DataFrame):
     """`df.write` with no _SUCCESS file, and no dictionary for the columns
     whose values are all distinct: parquet builds one for every column, and
-    for these drops it, once built, for plain values (a million rows of the
-    four topics, 2 cores: 2.2 s -> 1.7 s to write)."""
+    for these drops it, once built, for plain values."""
     writer = df.write.option("mapreduce.fileoutputcommitter.marksuccessfuljobs", "false")
     for name in DISTINCT_COLUMNS.intersection(df.columns):
         writer = writer.option(f"parquet.enable.dictionary#{name}", "false")

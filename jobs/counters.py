@@ -1,18 +1,12 @@
 """A run's counters (docs/protocol.md §4.5), taken while its kept rows are computed.
 
-Each counter is an aggregate over rows the run computes anyway: the live
-messages' keys, the classified OPs, the decisions on the messages no OP
-decided (`jobs.pipeline.compute`).
-Counting them afterwards cost a pass of their own — a Spark job per input,
-one of them re-reading the new half rows' files — about 1.5 s of a
-million-message run on 2 cores. Here they are Spark observations
-(`DataFrame.observe`) on those DataFrames: the aggregates are computed by
-the tasks that compute the rows, and arrive with the action that keeps them.
-
-Only DataFrames that the kept rows' plan always executes are observed (an
-observation never executed would make `values` wait forever): the kept
-DataFrame itself, or an input that no optimisation can remove from its plan
-(a table read under a union).
+Each counter is a Spark observation (`DataFrame.observe`) on rows the run
+computes anyway (`jobs.pipeline.compute`: the live messages' keys, the
+classified OPs, the decisions), not a pass of its own, a Spark job per input:
+the tasks that compute the rows aggregate them, and the counts arrive with the
+action that keeps them. Only DataFrames the kept rows' plan always executes
+are observed, or `values` would wait forever: the kept DataFrame itself, or an
+input no optimisation can remove from its plan (a table read under a union).
 
     >>> counted = Counters()                                   # doctest: +SKIP
     >>> kept = held.checkpoint(counted.ops(classified))        # doctest: +SKIP

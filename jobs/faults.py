@@ -2,15 +2,13 @@
 
 `TXN_FAULT_AT=<step>` names the step at which the run dies. By default the
 run raises `InjectedFault` (in-process tests; the job treats it like a crash
-and leaves its lease behind); with `TXN_FAULT_MODE=exit` the process ends
-at once with `os._exit(FAULT_EXIT_CODE)`, and with `TXN_FAULT_MODE=kill` it
-sends itself SIGKILL: no `finally`, no lease release, no flushing.
-
-Steps: `after_lease`, `after_intent`, then `after:<table path>` after each
-output write (e.g. `after:topics/ORDER`, `after:_sys/pending`; the writes run
-concurrently, so these come in no fixed order, and a crash at one may find
-others done or under way — as a real crash would), and `after_commit` (the
-COMMITTED row is written, the lease not yet released).
+and leaves its lease behind); with `TXN_FAULT_MODE=exit` the process ends at
+once with `os._exit(FAULT_EXIT_CODE)`, with `TXN_FAULT_MODE=kill` by SIGKILL:
+no `finally`, no lease release, no flushing. Steps: `after_lease`,
+`after_intent`, `after:<table path>` after each output write (e.g.
+`after:_sys/pending`; the writes run concurrently, so in no fixed order, and a
+crash at one may find others done or under way, as a real crash would), and
+`after_commit` (the COMMITTED row written, the lease not yet released).
 """
 
 from __future__ import annotations

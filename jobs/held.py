@@ -1,18 +1,14 @@
 """DataFrames a run computes once and reads several times, released at its end.
 
-A run reads its intermediate results — the live messages' keys, the
-classified OPs, the decisions, the decided messages with their bodies —
-several times each (counters, then one write per output table). Recomputing
-them would re-read and re-join the inputs each time; Spark's cache
-(`DataFrame.cache`) keeps them, but builds compressed column batches, which
-cost ~6 s per million half rows on 2 cores to build and about as much to read
-back as the parquet they came from. A local checkpoint keeps the rows as
-they are (in executor memory, spilling to local disk): it costs little more
-than computing them once.
-
-The price: a local checkpoint cannot be recomputed. Should an executor
-holding part of one be lost mid-run (a cluster), the run fails, and the
-next run redoes it from its intent like any crashed run (I4).
+A run reads its intermediate results (the live messages' keys, the classified
+OPs, the decisions, the decided messages with their bodies) several times each:
+counters, then one write per output table. Recomputing them would re-read and
+re-join the inputs each time; Spark's cache (`DataFrame.cache`) builds
+compressed column batches, as costly to build and to read back as the parquet
+they came from. A local checkpoint keeps the rows as they are (in executor
+memory, spilling to local disk), for little more than computing them once. The
+price: it cannot be recomputed, so losing an executor that holds part of one
+(a cluster) fails the run, and the next run redoes it from its intent (I4).
 """
 
 from __future__ import annotations

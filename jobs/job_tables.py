@@ -31,10 +31,10 @@ CDF_PROPERTIES = {"delta.enableChangeDataFeed": "true"}
 
 
 #: leading columns with file statistics. Statistics cost CPU on every row
-#: written (and, for the 38 columns of a run record, ~1 s of a cold JVM's
-#: first write), and only these are ever used to skip files: consumers seek
-#: a topic by (queue_id, queue_offset), a run looks resolved messages up by
-#: half_offset and the last run by run_number; the pending set is read whole.
+#: written (and a cold JVM's first write of a wide run record), and only these
+#: are ever used to skip files: consumers seek a topic by (queue_id,
+#: queue_offset), a run looks resolved messages up by half_offset and the last
+#: run by run_number; the pending set is read whole.
 STATS_COLUMNS = {TOPIC.path: 2, RESOLVED.path: 1, PENDING.path: 1, RUNS.path: 2}
 
 

@@ -3,14 +3,12 @@
 Each lease change overwrites the table with one row (holder, expiry) in a
 commit made with `max_commit_retries=0`: a Delta commit is a put-if-absent of
 the next log version, so of two runners that read the same version, exactly
-one commits; the other gets `CommitFailedError` and backs off. A lease held
-by a crashed run expires after `lease_ttl_s` of wall-clock time (never
-`now_ms`, which a run may set to any instant), or at once when its holder
-ran on this host and its process is gone.
-
-While a run works, a background thread renews its lease (`renewed`), and
-the run checks it before each write (`keep_alive`): a run that stalls or
-loses its storage long enough for another to take over stops writing.
+one commits; the other gets `CommitFailedError` and backs off. A crashed run's
+lease expires after `lease_ttl_s` of wall-clock time (never `now_ms`, which a
+run may set to any instant), or at once when its holder ran on this host and
+its process is gone. A background thread renews a working run's lease
+(`renewed`), and the run checks it before each write (`keep_alive`): a run that
+stalls or loses its storage long enough for another to take over stops writing.
 """
 
 from __future__ import annotations

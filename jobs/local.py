@@ -3,12 +3,10 @@ own (which file a commit added, each queue's last offset) and its empty
 frames (no history to look up).
 
 Why not `spark.createDataFrame(rows)`: from a Python list, Spark makes an
-RDD of pickled rows, and every job whose plan holds one runs tasks in
-Python workers to unpickle them, even for no rows at all (an empty list is
-still two partitions). A run had a dozen such jobs and tasks. From an Arrow
-table, Spark makes a local relation instead: the rows travel inside the
-plan, no task reads them, and the optimizer removes an empty one from the
-plan altogether.
+RDD of pickled rows, and every job whose plan holds one runs tasks in Python
+workers to unpickle them, even for no rows at all. From an Arrow table, Spark
+makes a local relation instead: the rows travel inside the plan, no task reads
+them, and the optimizer removes an empty one from the plan altogether.
 
     >>> from pyspark.sql.types import IntegerType, StringType, StructField
     >>> schema = StructType([StructField("topic", StringType()),

@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a file by spark-submit: make `jobs`, `sc
 from jobs.faults import InjectedFault
 from jobs.lease import EXIT_LEASE_HELD, Lease, LeaseHeld
 from jobs.run import RunSummary, idle_ahead, reconcile, recover
-from jobs.session import use_warehouse
+from jobs.session import print_error, use_warehouse
 from txn_core.config import Config, ConfigError, load_config
 from txn_core.vocabulary import Action, Source
 
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fail(code: int, message: str) -> int:
-    print(f"txn-reconcile: {message}", file=sys.stderr)
+    print_error(f"txn-reconcile: {message}")
     return code
 
 

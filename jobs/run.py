@@ -2,15 +2,14 @@
 the outputs (`jobs.pipeline`), the COMMITTED record.
 
 A run, under the job's lease (exit 75 when another run holds it):
-  1. if the latest run has an intent but no COMMITTED record, redo exactly
+  1. if the latest run has an intent but no COMMITTED record, redoes exactly
      that run (same input versions, state versions, clock and rules);
-  2. record the new run's intent (STARTED row of `_sys/runs`);
-  3. compute its outputs, write each table in a commit tagged with the run
+  2. records its intent (STARTED row of `_sys/runs`);
+  3. computes its outputs and writes each table in a commit tagged with its run
      number (`jobs.writes`), then the COMMITTED row.
-A crash between any two writes leaves an intent that step 1 completes, and
-the redo skips the writes whose tagged commit it finds (I4,
-`tagged_writes.write_for_run`). A dry run computes the run that would be done next
-and writes nothing.
+A crash between two writes leaves an intent that step 1 completes, skipping the
+writes whose tagged commit it finds (I4, `tagged_writes.write_for_run`). A dry
+run computes the run that would be done next and writes nothing.
 """
 
 from __future__ import annotations

@@ -7,16 +7,22 @@ The jars come from Maven's local repository: `make setup` resolves them with
 a local session puts on its classpath as they are. Without that file (a
 notebook on a machine where only pip ran) the session asks Spark's Ivy
 resolver for `DELTA_JAR`, which looks in `~/.m2` before the network — the
-same jars, but resolving them costs ~3 s of every start.
+same jars, resolved again at every start.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+from txn_core.config import ConfigError
 
 DELTA_JAR = "io.delta:delta-spark_4.2_2.13:4.4.0"
+#: a class of that jar: a JVM without it was started without the jar
+DELTA_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
 #: Spark's s3a file system, for a warehouse on S3: the version of the Hadoop
 #: pyspark ships (its jars/hadoop-client-api-*.jar); it brings the AWS SDK
 S3A_JAR = "org.apache.hadoop:hadoop-aws:3.5.0"
@@ -29,15 +35,15 @@ _DEFAULTS = {
     # Small local jobs: a few shuffle partitions, not 200.
     "spark.sql.shuffle.partitions": "4",
     # Delta rebuilds each table's snapshot with 50 partitions by default; the
-    # job reads a dozen small logs per run, and that alone made an empty run
-    # take ~60 s instead of ~20 s on 2 cores. Raise it on a cluster with huge logs.
+    # job reads a dozen small logs per run, each then a 50-task job. Raise it
+    # on a cluster with huge logs.
     "spark.databricks.delta.snapshotPartitions": "2",
     # Spark compiles the code it generates for each query, and keeps the last
     # 100 classes by default; a run generates ~175, so in a long-lived session
-    # (a notebook, the tests, a benchmark) every run compiled all of them again
-    # (~3 s of compiling per run, and the JIT then compiles the new classes
-    # too). Identical code of later runs now reuses the compiled class. A
-    # cache entry is one class, ~3 KB of bytecode; static: set at start.
+    # (a notebook, the tests, a benchmark) every run compiled all of them
+    # again (and the JIT then compiled the new classes too). Identical code of
+    # later runs now reuses the compiled class. A cache entry is one class, ~3
+    # KB of bytecode; static: set at start.
     "spark.sql.codegen.cache.maxEntries": "1000",
     # A run writes every topic's rows in one job, partitioned by table
     # (`jobs.commits.stage_split`): without concurrent writers each task
@@ -47,8 +53,7 @@ _DEFAULTS = {
     "spark.ui.showConsoleProgress": "false",
     "spark.driver.memory": "2g",
     # Keep the shuffle's equal partitions: AQE merged the 4 of a million-row
-    # stage into 3 unequal ones, and on 2 cores the largest then ran alone
-    # (the classification: 2.5 s -> 1.8 s of wall with 4 partitions).
+    # stage into 3 unequal ones, and on 2 cores the largest then ran alone.
     "spark.sql.adaptive.coalescePartitions.enabled": "false",
     "spark.databricks.delta.schema.autoMerge.enabled": "false",
     # Data we write is small per commit; no need for Delta's optimized writes etc.
@@ -72,8 +77,8 @@ _WARNINGS_TO_STDERR = "-Xlog:disable -Xlog:all=warning:stderr"
 SHORT_LIVED_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 #: for any other (G1) JVM: a full run keeps its intermediate rows on the heap
 #: (`jobs.held`), ~1 GB for a million messages, which G1's adaptive threshold
-#: took for a heap filling up, marking it over and over: 8-11 s of CPU per
-#: such run on 2 cores, 3 s with marking starting at 75 % occupancy
+#: took for a heap filling up, marking it over and over; marking from 75 %
+#: occupancy does not
 LONG_RUN_GC = "-XX:-G1UseAdaptiveIHOP -XX:InitiatingHeapOccupancyPercent=75"
 
 
@@ -112,11 +117,46 @@ def build_spark(
             else builder.config("spark.jars.packages", DELTA_JAR)
         )
         builder = builder.config("spark.driver.extraJavaOptions", driver_java_options(short_lived))
+    else:
+        _require_delta_jar()
     for key, value in {**_DEFAULTS, **(conf or {})}.items():
         builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    spark = _started(builder, local=not submitted and _is_local(master))
     spark.sparkContext.setLogLevel(os.environ.get("TXN_SPARK_LOG_LEVEL", "WARN"))
     return spark
+
+
+def _is_local(master: str | None) -> bool:
+    return (master or os.environ.get("TXN_SPARK_MASTER", "local[2]")).startswith("local")
+
+
+def _started(builder: Any, *, local: bool) -> Any:
+    """`builder.getOrCreate()`; a local JVM binds to loopback, so that Spark
+    need not look for (and warn about) this host's address."""
+    if not local or "SPARK_LOCAL_IP" in os.environ:
+        return builder.getOrCreate()
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"  # read by the JVM pyspark launches now
+    try:
+        return builder.getOrCreate()
+    finally:
+        del os.environ["SPARK_LOCAL_IP"]
+
+
+class MissingDeltaJarError(ConfigError):
+    """spark-submit started the JVM without the Delta Lake jar."""
+
+
+def _require_delta_jar() -> None:
+    """Refuse, in one line, a JVM that spark-submit started without the Delta
+    jar, before Spark logs a stack trace for each missing class."""
+    from pyspark import SparkContext
+
+    SparkContext._ensure_initialized()  # attaches to spark-submit's JVM
+    if not SparkContext._jvm.org.apache.spark.util.Utils.classIsLoadable(DELTA_EXTENSION):
+        raise MissingDeltaJarError(
+            f"the Delta Lake jar is not on Spark's classpath: pass --packages {DELTA_JAR} "
+            "to spark-submit, or run scripts/submit.sh, which does"
+        )
 
 
 def driver_java_options(short_lived: bool = False, archive: Path = CLASS_ARCHIVE) -> str:
@@ -152,6 +192,40 @@ def resolved_jars(listing: Path = JAR_LIST) -> list[str] | None:
 def _under_spark_submit() -> bool:
     """True when this Python process was launched by spark-submit (the JVM exists)."""
     return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
+def print_error(line: str) -> None:
+    """Print `line` on the process's stderr: under spark-submit, which passes
+    this Python process's stderr on through its own stdout, the JVM's."""
+    if _under_spark_submit():
+        from pyspark import SparkContext
+
+        try:
+            SparkContext._ensure_initialized()  # attaches to spark-submit's JVM
+            SparkContext._jvm.java.lang.System.err.println(line)
+            return
+        except Exception:  # noqa: BLE001 — an unreachable JVM: the line still goes out below
+            pass
+    print(line, file=sys.stderr, flush=True)
+
+
+#: jars of s3a and its AWS SDK among the resolved ones: only for an S3 warehouse
+_S3A_JARS = ("hadoop-aws-", "bundle-", "analyticsaccelerator-s3-", "wildfly-openssl-")
+
+
+def submit_jars(argv: list[str]) -> str:
+    """The `--jars` of a spark-submit of the job with arguments `argv`, from
+    the jars `make setup` resolved (no Ivy resolution, no network): those of
+    Delta, and s3a's for a warehouse on S3; "" when they were not resolved,
+    or s3a's are needed and not among them (`submit_packages` then)."""
+    jars = resolved_jars()
+    if jars is None:
+        return ""
+    if not submit_packages(argv).endswith(S3A_JAR):
+        return ",".join(j for j in jars if not os.path.basename(j).startswith(_S3A_JARS))
+    # A list from before the pom had hadoop-aws: Ivy resolves it instead.
+    s3a = S3A_JAR.split(":")[1] + "-" + S3A_JAR.split(":")[2] + ".jar"
+    return ",".join(jars) if any(j.endswith(s3a) for j in jars) else ""
 
 
 def submit_packages(argv: list[str]) -> str:

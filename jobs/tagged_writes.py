@@ -40,13 +40,12 @@ def write_for_run(
     saves the writer's snapshot and post-commit jobs; by Delta's writer
     everywhere else.
 
-    Why tags, not Delta's txnAppId/txnVersion: Delta checks those against
-    the table's whole reconstructed state, a Spark job per table written —
-    about 1 s each on 2 cores, most of a small run's time — while the tag is
-    needed only on a redo, where reading the last commits' commitInfo with
-    delta-rs takes milliseconds. A first attempt cannot find its own commit,
-    and two attempts never write at once: the run holds the lease and checks
-    it before each write (`jobs.lease`).
+    Why tags, not Delta's txnAppId/txnVersion: Delta checks those against the
+    table's whole reconstructed state, a Spark job per table written — most of a
+    small run's time — while the tag is needed only on a redo, where reading the
+    last commits' commitInfo with delta-rs is quick. A first attempt cannot find
+    its own commit, and two attempts never write at once: the run holds the lease
+    and checks it before each write (`jobs.lease`).
     """
     if redo and committed_by_run(path, run_number, app):
         return False

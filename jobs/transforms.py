@@ -1,24 +1,13 @@
 """The reconciliation rules (docs/protocol.md §4) as DataFrame -> DataFrame functions.
 
-Nothing here reads or writes a table: the job (`jobs/reconcile.py`) hands in
-the pending set, the rows added since the previous run and, when needed, a
-few rows of history, and writes what comes back. Every function is
-deterministic for given inputs, which is what lets a crashed run be redone
-with identical outputs (I4).
-
-Order of a run, top to bottom:
-  split_halves -> live_messages -> message_keys -> op_targets -> classify_ops
-  (-> unmatched_op_keys -> history lookup -> reclassify_with_history, for OPs
-  naming no live message) -> winners -> queue_ends / next_queues /
-  queue_positions / resolved_rows; remaining_pending -> apply_answers -> decide;
-  known_messages -> with_bodies -> deliveries / discards / check_requests /
-  next_pending
-
-The rules read only a message's keys (`message_keys`: ids, topic, queue,
-times, check counters). Its body, properties and the like are joined back
-once, onto every decided message (`with_bodies`), and each output table
-takes its rows from there: the costly columns never go through the rules'
-joins and sorts.
+Nothing here reads or writes a table: `jobs.pipeline.compute` hands in the
+pending set, the new rows and, when needed, a few rows of history, and applies
+the functions in the order of the numbered sections below. Each is
+deterministic for given inputs, so a crashed run is redone with identical
+outputs (I4). The rules read only a message's keys (`message_keys`: ids,
+topic, queue, times, check counters); its body, properties and the like are
+joined back once, onto every decided message (`with_bodies`), so the costly
+columns never go through the rules' joins and sorts.
 """
 
 from __future__ import annotations
@@ -125,7 +114,7 @@ def conform(df: DataFrame, table: TableSchema, *extra: str) -> DataFrame:
     As SQL text, casting only the columns whose type differs, and not at all
     when `df` has them already: each Column built in Python costs a few
     dozen calls into the JVM (a cast by DataType more), and a run conforms
-    some 250 columns — ~8,000 calls and about a second of a small run.
+    some 250 columns, enough to show in a small run's time.
     """
     have = {f.name: f.dataType for f in df.schema.fields}
     names = [*table.names, *extra]
@@ -160,8 +149,8 @@ REJECT_REASON = "_reject_reason"
 
 def with_reject_reason(new_half: DataFrame) -> DataFrame:
     """`new_half` with `half_reject_reason` as REJECT_REASON: evaluated once
-    per row for all that reads it (the split, the counters), where a regular
-    expression per row and reader was ~5 % of a run's CPU."""
+    per row for all that reads it (the split, the counters), not a regular
+    expression per row and reader: a visible share of a run's CPU."""
     return new_half.withColumn(REJECT_REASON, half_reject_reason())
 
 
@@ -299,10 +288,10 @@ def classify_ops(ops: DataFrame, targets: DataFrame, *, discards: bool = True) -
 
     `discards=False`: no target is a discarded message (the live messages
     never are), so the ADMIN OPs need no ranking of their own: two window
-    functions fewer, ~0.6 s of a million OPs' 3 s on 2 cores.
+    functions fewer.
 
     The rules are SQL text, as in `conform`: built as Columns in Python they
-    took ~1,000 calls into the JVM, ~0.15 s of every run's driver.
+    take a thousand calls into the JVM on every run's driver.
     """
     if discards:  # for a discarded message, only ADMIN OPs count
         admin_ranks = (

@@ -1,32 +1,15 @@
 """`verify`: the full audit of I2, I3 and I6 (docs/protocol.md §5), recomputed from the raw tables.
 
-The job works incrementally (pending set + rows added since the last run).
-This audit does not trust any of that: it reads the whole history of
-`_sys/half` and `_sys/op` with their commit versions (change data feed),
-recomputes the fate of every half message by a full anti-join of halves and
-OPs, and compares it with what the job wrote: the real-topic tables,
-`_sys/discard`, `_sys/pending`, `_sys/resolved`, `_sys/queues` and
-`_sys/rejected`.
-
-What counts as "processed" comes from `_sys/runs`: only halves and OPs up to
-the input versions of the last committed run are judged; newer rows are
-legitimately not handled yet. The same table dates every OP (the run whose
-input range holds its version) and every discard (the run that wrote it), which
-is what "an OP arriving after the discard" means (docs/protocol.md §4, rule 3).
-
-The rules, independent of `jobs.transforms`:
-- an OP is valid when a half with its half_offset was visible to the run that
-  read the OP, and transaction_id and producer_group match that half;
-- the first valid OP in commit order (version, then op_offset) decides;
-  PRODUCER/CHECK OPs after the message's discard are late, ADMIN ones decide;
-- each half is then delivered once (COMMIT), rolled back (ROLLBACK), discarded
-  once (a discard row, no deciding OP), pending, or rejected (a half row the
-  broker core would not have written, e.g. a bad topic name).
-
-Discards themselves depend on the clock and on check answers, so they are not
-recomputed; each discard row is checked instead against the rule it names
-(EXPIRED: older than reserved_hours at that run; MAX_CHECKS: as many checks
-as check_max) and against the OPs the run had seen.
+It trusts none of the job's incremental state: it reads the whole history of
+`_sys/half` and `_sys/op` with their commit versions, recomputes every half
+message's fate by a full anti-join, with rules of its own (not
+`jobs.transforms`), and compares it with every table the job wrote. Only rows
+up to the input versions of the last committed run (`_sys/runs`) are judged;
+newer ones are legitimately not handled yet. `_sys/runs` also dates every OP
+and discard, which is what "an OP arriving after the discard" means
+(docs/protocol.md §4, rule 3). Discards depend on the clock and on check
+answers, so each is checked against the rule it names, not recomputed. The
+rules: `_judged_ops`, `_winners`, `_expected`; docs/operating.md, "verify: the audit".
 """
 
 from __future__ import annotations
@@ -535,8 +518,9 @@ def _discard_differences(
     discard_dated: DataFrame, per_half_discard: DataFrame, expected: DataFrame, requests: DataFrame
 ) -> list[DataFrame]:
     """Discards: by committed runs, at most one per message, only of undecided
-    messages, each following the rule it names at the clock of its run, and
-    carrying its message unchanged."""
+    messages, each following the rule it names at the clock of its run
+    (EXPIRED: older than reserved_hours; MAX_CHECKS: as many checks as
+    check_max), and carrying its message unchanged."""
     unknown_run = F.col("run_number").isNull()
     n_requests = requests.groupBy("half_offset").agg(F.count("*").alias("n_requests"))
     d = (
@@ -731,11 +715,13 @@ def _raw_duplicates(half: DataFrame, op: DataFrame) -> list[DataFrame]:
 def _expected(
     judged: DataFrame, winners: DataFrame, per_half_discard: DataFrame, delivered_rows: DataFrame
 ) -> DataFrame:
-    """Every judged half once, with its fate and, if delivered, the queue
-    offset it should have: per (topic, queue_id), dense, in the winners'
-    commit order (among winners older than the log, the job's queue order).
-    Partitioned by half_offset, so that joining each table with it moves only
-    that table's rows."""
+    """Every judged half once, with its fate (delivered once on COMMIT, rolled
+    back on ROLLBACK, discarded once: a discard row and no deciding OP,
+    pending, or rejected: a half row the broker core would not have written)
+    and, if delivered, the queue offset it should have: per (topic,
+    queue_id), dense, in the winners' commit order (among winners older than
+    the log, the job's queue order). Partitioned by half_offset, so that
+    joining each table with it moves only that table's rows."""
     fate = (
         judged.join(winners, "half_offset", "left")
         .join(per_half_discard.select("half_offset", "n_discards"), "half_offset", "left")
@@ -986,8 +972,11 @@ def _dated_discards(discard_all: DataFrame, runs: DataFrame) -> tuple[DataFrame,
 def _judged_ops(
     op: DataFrame, runs: DataFrame, halves: DataFrame, per_half_discard: DataFrame
 ) -> DataFrame:
-    """Each OP dated by the run that read it and validated against its half:
-    `valid`, `late` (after its message's discard, and not ADMIN), `eligible`."""
+    """Each OP dated by the run that read it (the run whose input range holds
+    its version) and validated against its half: `valid` (a half with its
+    half_offset was visible to that run, and transaction_id and
+    producer_group match the half's), `late` (after its message's discard,
+    and not ADMIN), `eligible`."""
     o = op.join(
         F.broadcast(runs.select("run_number", "op_lo", "op_hi", "run_half_version")),
         (op["cv"] > F.col("op_lo")) & (op["cv"] <= F.col("op_hi")),
@@ -1025,8 +1014,9 @@ def _judged_ops(
 
 
 def _winners(ops: DataFrame, resolved: DataFrame) -> DataFrame:
-    """The first eligible OP of each half in commit order; among OPs older
-    than the log (undated), the job's recorded winner goes first."""
+    """The first eligible OP of each half in commit order (version, then
+    op_offset); among OPs older than the log (undated), the job's recorded
+    winner goes first."""
     job_pick = resolved.dropDuplicates(["half_offset", "op_offset"]).select(
         "half_offset", "op_offset", F.lit(0).alias("job_pick")
     )

@@ -1,4 +1,4 @@
-"""Benchmark of the reconciliation job (issue 3; a script printing figures, not a test).
+"""Benchmark of the reconciliation job (a script printing figures, not a test).
 
 In one invocation:
   1. a run over B new messages on an empty warehouse (H = 0);

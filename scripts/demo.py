@@ -80,7 +80,7 @@ class DemoClock:
 
 def show(label: str, s) -> None:
     print(
-        f"  {label:<38} delivered {s.committed:>2}  rolled back {s.rolled_back:>2}  "
+        f"  {label:<43} delivered {s.committed:>2}  rolled back {s.rolled_back:>2}  "
         f"check requests {s.check_requests:>2}  discarded {s.discarded_max_checks:>2}  "
         f"pending {s.pending_after:>2}"
     )

@@ -6,8 +6,10 @@
 #
 # The project's code travels to the executors as dist/txn_pyfiles.zip
 # (--py-files), rebuilt on every call so a cluster never runs stale code.
-# The Delta jar (and hadoop-aws for a warehouse on S3) is resolved by Ivy,
-# which finds it in ~/.m2 once `make setup` has run (no network needed then).
+# The Delta jar (and hadoop-aws for a warehouse on S3) goes in with --jars,
+# from the paths `make setup` listed in target/spark-jars.txt; without that
+# list, with --packages, resolved by Ivy (from ~/.m2, else the network).
+# The driver logs through conf/log4j2.properties: WARN, without known noise.
 # Environment: TXN_SPARK_MASTER (default local[2]), PYTHON (default python3),
 # PYSPARK_PYTHON (the executors' interpreter; default: the same as PYTHON,
 # right for local and loopback masters, set it for a real cluster),
@@ -20,19 +22,28 @@ python="${PYTHON:-python3}"
 spark_bin="$("$python" -c 'import os, pyspark; print(os.path.join(os.path.dirname(pyspark.__file__), "bin"))')"
 # The jars' coordinates come from jobs/session.py, so there is one place to bump
 # them: Delta's, and s3a's when the warehouse is on S3.
-packages="$(cd "$repo" && "$python" -c 'import sys; from jobs.session import submit_packages; print(submit_packages(sys.argv[1:]))' "$@")"
+jars="$(cd "$repo" && "$python" -c 'import sys; from jobs.session import submit_jars; print(submit_jars(sys.argv[1:]))' "$@")"
+if [ -n "$jars" ]; then  # resolved by `make setup`: no Ivy resolution on every call
+  dependencies=(--jars "$jars")
+else
+  dependencies=(--packages "$(cd "$repo" && "$python" -c 'import sys; from jobs.session import submit_packages; print(submit_packages(sys.argv[1:]))' "$@")")
+fi
 pyfiles="$("$python" "$repo/scripts/build_pyfiles.py")"
-# The class archive `make setup` built (if any) for the driver JVM, as a local session gets it.
+# The class archive `make setup` built (if any) and the logging, as a local session gets them.
 driver_opts="$(cd "$repo" && "$python" -c 'from jobs.session import driver_java_options; print(driver_java_options())')"
 
 export PYSPARK_PYTHON="${PYSPARK_PYTHON:-$(command -v "$python")}"
 # SPARK_TESTING makes Ivy look in ./dummy/.m2 instead of ~/.m2.
 unset SPARK_TESTING
+# A local driver binds to loopback (Spark would otherwise look for, and warn about, this host's address).
+if [[ "${TXN_SPARK_MASTER:-local[2]}" == local* ]]; then
+  export SPARK_LOCAL_IP="${SPARK_LOCAL_IP:-127.0.0.1}"
+fi
 
 # shellcheck disable=SC2086  # TXN_SUBMIT_ARGS is meant to split into options
 exec "$spark_bin/spark-submit" \
   --master "${TXN_SPARK_MASTER:-local[2]}" \
-  --packages "$packages" \
+  "${dependencies[@]}" \
   --driver-java-options "$driver_opts" \
   --conf spark.sql.extensions=io.delta.sql.DeltaSparkSessionExtension \
   --conf spark.sql.catalog.spark_catalog=org.apache.spark.sql.delta.catalog.DeltaCatalog \

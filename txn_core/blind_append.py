@@ -1,22 +1,16 @@
 """Blind appends to a Delta table, without delta-rs' per-commit cost.
 
 A group-commit writer is latency-bound (a send waits for two commits), and a
-delta-rs append costs far more than the file and the log entry it writes: on
-a local disk it plans the write through DataFusion and re-reads the table's
-file list; on S3 it lists the log before and after, and reads its own entry
-back twice (six requests where two do). `BlindAppender` writes exactly a blind
-append of the Delta protocol: one parquet file, then one log entry holding
-`commitInfo` and the file's `add` action, committed with the primitive
-delta-rs itself uses (a hard link on a local disk, a put-if-absent on S3), so
-appenders, delta-rs writers (compactions, other processes) and delta-spark
-readers share the table. Figures: docs/performance.md.
-
-A lost race moves on to the next version after reading the winner's entry: a
-blind append conflicts only with a change of protocol or metadata, after
-which the table is checked again (`TableChanged` when it may no longer be
-written). Tables whose protocol asks more of a writer are refused
-(`unsupported_reason`), and the caller uses delta-rs. Checkpoints stay with
-delta-rs: `checkpoint_due(version)` says when the table asks for one.
+delta-rs append costs far more than what it writes: on a local disk it plans
+the write through DataFusion and re-reads the table's file list; on S3 it
+lists the log before and after, and reads its own entry back twice.
+`BlindAppender` writes one parquet file, then one log entry (`commitInfo` and
+the file's `add`) with the primitive delta-rs itself uses (a hard link locally,
+a put-if-absent on S3), so delta-rs writers and delta-spark readers share the
+table. A lost race reads the winner's entry and moves on: only a change of
+protocol or metadata conflicts (`TableChanged` if the table may no longer be
+written). Tables asking more of a writer are refused (`unsupported_reason`);
+checkpoints stay with delta-rs (`checkpoint_due`). Figures: docs/performance.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
 """Group commit: many writers' rows in one Delta commit.
 
 One thread per table drains a queue of pending appends, builds the Arrow
-columns once for all of them, commits them with a reused `DeltaTable` handle
-and wakes every waiting sender. A sender's latency is then about one commit
-(plus the wait for the commit in flight), and a commit carries whatever
-arrived meanwhile — so throughput grows with concurrency instead of being
-bounded by one commit per row.
-
-The senders of a commit are woken as a chain (`CommitTicket`): the writer
-wakes the first, and each wakes the next as it returns. Waking a hundred
-threads at once cost the writer ~1.5 ms of futex calls under the GIL, and the
-woken herd then queued for the GIL ahead of the writer's next batch; chained,
-the writer goes straight on, and only the next sender is woken while one runs.
-
-On a local disk and on S3 the writer commits with `BlindAppender`, a blind
-append without delta-rs' per-commit cost; elsewhere, or for a table it may
-not write, with delta-rs.
-Checkpoints, compaction of the small file every commit makes, and log
-clean-up happen beside the writer, in `WriterUpkeep`'s thread, so that no
-sender waits for them.
+columns once for all of them and commits them with a reused `DeltaTable`
+handle: a sender waits about one commit (plus the one in flight), and a commit
+carries whatever arrived meanwhile, so throughput grows with concurrency
+instead of being bounded by one commit per row. A commit's senders are woken
+as a chain (`CommitTicket`): waking them all at once would make the writer pay
+for every wake-up, and the woken herd would queue for the GIL ahead of the
+writer's next batch. On a local disk and on S3 the writer commits with
+`BlindAppender` (no delta-rs per-commit cost), elsewhere or for a table it may
+not write with delta-rs; checkpoints, compaction and log clean-up run beside
+it (`WriterUpkeep`), so that no sender waits for them.
 """
 
 from __future__ import annotations
@@ -393,12 +385,8 @@ def _wake_all(chain: collections.deque[CommitTicket]) -> None:
 def plain_encoding(columns: tuple[str, ...]) -> WriterProperties | None:
     """delta-rs parquet settings without dictionary encoding for `columns`,
     whose values are unique by construction (offsets, ids): the writer would
-    build a dictionary per column chunk only to drop it. Measured with
-    bench_broker (256 threads, 2 KB bodies, 2 pairs, ids plain): per-message
-    2,224-2,303 msg/s instead of 1,891-1,940, batches of 10,000
-    108,000-110,000 msg/s instead of 92,000-99,000; the offsets plain as well
-    were within the noise. Bodies keep parquet's default: repeated bodies pack
-    into a dictionary."""
+    build a dictionary per column chunk only to drop it. Bodies keep parquet's
+    default: repeated bodies pack into a dictionary."""
     if not columns:
         return None
     return WriterProperties(

@@ -1,18 +1,14 @@
 """Trimming a producer table's Delta log to what the job still needs.
 
 On a local filesystem delta-rs lists a table's whole `_delta_log` directory
-several times a commit: measured here, a one-row commit took 10 ms with 30
-log entries, 86 ms with 20,000 and 294 ms with 100,000. Time-based clean-up
-alone (`delta.logRetentionDuration`, 2 days on the producer tables) lets the
-log of a table committed to tens of times a second reach millions of entries.
-
-The only reader of old log entries is the job: it reads the change data feed
-from its cursor, the input versions its latest run started from (recorded in
-`_sys/runs`; an unfinished run is redone from there). So the producers trim
-the log up to the newest checkpoint at or before that cursor — the job can
-always read on, any reader can rebuild the table from that checkpoint — and
-the log stays about as long as the commits since the job's last run. Until
-the job has run once nothing is trimmed: its first run reads from version 0.
+several times a commit, so a commit's cost grows with the log, and time-based
+clean-up alone (`delta.logRetentionDuration`, 2 days) lets a busy table's log
+reach millions of entries. The only reader of old entries is the job, reading
+the change data feed from its cursor: the input versions its latest run
+started from (`_sys/runs`; an unfinished run is redone from there). So the
+producers trim up to the newest checkpoint at or before that cursor (the job
+can always read on, any reader can rebuild the table from that checkpoint),
+and nothing until the job has run once: its first run reads from version 0.
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """Where a warehouse lives, and how each engine reaches it.
 
 A warehouse is a local directory (the default) or a prefix of an S3 bucket
-(AWS S3, MinIO, any store that speaks S3 and enforces conditional writes).
-The user names it once (`warehouse = "s3://bucket/prefix"`, see
-`txn_core.config`); both engines are given the same `s3a://` URIs, and this
-module turns the `s3_*` settings into each engine's own options: delta-rs'
-storage options for the broker core, and Hadoop's `fs.s3a.*` settings for
-the job's Spark (per bucket, so a session's other buckets keep theirs).
-Credentials are never part of either: both engines take them from the
-standard AWS chain (environment, profile, web identity, container).
-
-Producers on many hosts append to one table at once, safely only because
-the store refuses a second write of the same log entry (put-if-absent,
-`If-None-Match: *`), which delta-rs relies on. A store that ignores it would
-silently lose commits, so `Storage.check` proves it once per process and
-warehouse before anything is written, and raises `StorageError` (a
-`ConfigError`: exit 2 from the CLI) for a store that does not, a missing
-bucket, an endpoint that does not answer or missing credentials.
+(any store that speaks S3 and enforces conditional writes), named once
+(`warehouse = "s3://bucket/prefix"`, `txn_core.config`) and given to both
+engines as the same `s3a://` URIs. This module turns the `s3_*` settings into
+delta-rs' storage options for the broker core and Hadoop's per-bucket `fs.s3a.*`
+settings for the job's Spark; credentials are never part of either (both take
+them from the standard AWS chain). Producers on many hosts append to one table
+safely only because the store refuses a second write of a log entry
+(put-if-absent, `If-None-Match: *`); one that ignores it would silently lose
+commits, so `Storage.check` proves it once per process and warehouse before
+anything is written (`StorageError` otherwise).
 
 >>> s = Storage(warehouse="s3a://bucket/wh", endpoint="http://127.0.0.1:9000",
 ...             region="us-east-1", path_style=True, allow_http=True)

@@ -3,7 +3,7 @@
 The producer tables (`_sys/half`, `_sys/op`, `_sys/check_answers`) are
 created here with the change data feed on, so the job and the producers read
 only what was added since a version (a run's cursors are table versions,
-docs/protocol.md §4). No other table feature is enabled: delta-rs must stay
+docs/protocol.md §4.1). No other table feature is enabled: delta-rs must stay
 able to write them (docs/protocol.md §2).
 """
 
@@ -26,7 +26,7 @@ BROKER_TABLES = (HALF, OP, CHECK_ANSWERS, PRODUCERS)
 # Group commit at thousands of messages a second writes many commits: keep the
 # log short (checkpoint every 100 commits, drop JSON commits after 2 days) so
 # opening a table stays cheap. The job must run at least once in that window,
-# or it falls back to a full read (see jobs/).
+# or its next run fails (jobs.inputs.HistoryGoneError, docs/protocol.md §4.1).
 PRODUCER_TABLE_CONFIG = {
     "delta.enableChangeDataFeed": "true",
     "delta.checkpointInterval": "100",

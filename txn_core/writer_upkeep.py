@@ -2,21 +2,14 @@
 
 A producer table committed to tens of times a second needs, from the producer
 side (docs/protocol.md §2): checkpoints, compaction of the small file every commit makes,
-and log clean-up. Done in the writer's thread they stalled every sender
-waiting on that table: measured under bench_broker's load, a compaction took
-230 ms, a checkpoint 160 ms and a clean-up 50 ms, a fifth of the writer's
-time. `WriterUpkeep` does them from its own thread, on its own table handle
-(delta-rs handles are not shared between threads here), while the writer goes
-on committing: appends never conflict with a compaction's rewrite (delta-rs
-rebases it over them) nor with a checkpoint or a clean-up.
-
-Compaction packs small files into files up to COMPACT_TARGET_BYTES; the
-rewrite is dataChange=false, invisible to the change data feed the job reads.
-Clean-up drops log entries past the table's logRetentionDuration, as
-delta-rs' post-commit hook would (the writer turns that hook off: it lists the
-whole log after every commit), and those behind `log_floor`
-(`txn_core.log_trim`). Checkpoints are written when the writer reports one due
-(its own commits bypass delta-rs' hook, `txn_core.blind_append`).
+and log clean-up. In the writer's thread they would stall every sender waiting
+on that table, so `WriterUpkeep` runs them on its own thread and table handle
+(delta-rs handles are not shared between threads here). Appends never conflict
+with them: delta-rs rebases a compaction (dataChange=false, invisible to the
+job's change feed) over them. Clean-up drops what delta-rs' post-commit hook
+would (the writer turns it off: it lists the whole log every commit) and what
+lies behind `log_floor` (`txn_core.log_trim`); checkpoints are written when the
+writer reports one due (its commits bypass delta-rs' hook).
 """
 
 from __future__ import annotations
@@ -36,8 +29,7 @@ log = logging.getLogger(__name__)
 #: small files (commits under SMALL_FILE_BYTES of Arrow data) between two
 #: compactions; the compaction packs files under COMPACT_TARGET_BYTES. Rare
 #: rounds: a compaction's commit races the writer's appends, and delta-rs'
-#: rebase over them took 2-4 s a compaction under bench_broker's load (every
-#: 64 small files: 3,008-3,276 msg/s; every 256: 3,454 in a paired run)
+#: rebase over them takes seconds under load
 COMPACT_EVERY = 256
 SMALL_FILE_BYTES = 4 << 20
 COMPACT_TARGET_BYTES = 16 << 20

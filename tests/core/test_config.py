@@ -13,7 +13,7 @@ def _toml(tmp_path, text):
     return path
 
 
-def test_defaults_match_spec():
+def test_defaults_match_the_documented_ones():  # docs/protocol.md §6
     cfg = load_config(env={})
     assert (
         cfg.warehouse,

@@ -5,7 +5,9 @@ import subprocess
 from pathlib import Path
 
 import build_class_archive
+import pytest
 
+from jobs import session
 from jobs.session import DELTA_JAR, LONG_RUN_GC, SHORT_LIVED_JVM, driver_java_options, resolved_jars
 
 REPO = Path(__file__).resolve().parents[2]
@@ -98,3 +100,72 @@ def test_the_driver_logs_at_warn_without_the_warnings_of_a_healthy_run(spark):
     ):
         assert str(manager.getLogger(quiet).getLevel()) == "ERROR", quiet
     assert str(manager.getLogger("org.apache.spark.sql.delta.DeltaLog").getLevel()) == "WARN"
+    # The scheduler's note on a large task binary is dropped, its other warnings are not.
+    jvm = spark.sparkContext._jvm
+    scheduler = (
+        manager.getContext(False)
+        .getConfiguration()
+        .getLoggerConfig("org.apache.spark.scheduler.DAGScheduler")
+    )
+
+    def dropped(message: str) -> bool:
+        event = (
+            jvm.org.apache.logging.log4j.core.impl.Log4jLogEvent.newBuilder()
+            .setLoggerName("org.apache.spark.scheduler.DAGScheduler")
+            .setLevel(jvm.org.apache.logging.log4j.Level.WARN)
+            .setMessage(jvm.org.apache.logging.log4j.message.SimpleMessage(message))
+            .build()
+        )
+        return scheduler.isFiltered(event)
+
+    assert dropped("Broadcasting large task binary with size 1063.9 KiB")
+    assert not dropped("Resubmitting ShuffleMapStage 3 due to fetch failure")
+
+
+@pytest.mark.spark
+def test_spark_submit_without_the_delta_jar_says_so_in_one_line_and_exits_2(tmp_path):
+    import pyspark
+
+    submit = Path(pyspark.__file__).parent / "bin" / "spark-submit"
+    env = {k: v for k, v in os.environ.items() if k not in ("SPARK_SUBMIT_ARGS", "SPARK_TESTING")}
+    done = subprocess.run(
+        [str(submit), "jobs/reconcile.py", "run", "--warehouse", str(tmp_path / "wh")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    # On stderr although spark-submit passes the driver's stderr on through its stdout.
+    ours = [line for line in done.stderr.splitlines() if line.startswith("txn-reconcile:")]
+    assert len(ours) == 1, done.stderr
+    assert "the Delta Lake jar is not on Spark's classpath" in ours[0]
+    assert f"--packages {DELTA_JAR}" in ours[0] and "scripts/submit.sh" in ours[0]
+    for output in (done.stderr, done.stdout):
+        assert "Exception" not in output and "Traceback" not in output
+        assert not any(line.startswith("\tat ") for line in output.splitlines())
+    assert not (tmp_path / "wh" / "_sys" / "runs").exists()  # no run was recorded
+
+
+def test_an_error_line_goes_to_stderr_outside_spark_submit(capsys, monkeypatch):
+    monkeypatch.delenv("PYSPARK_GATEWAY_PORT", raising=False)
+    session.print_error("txn-reconcile: bad configuration: x")
+    assert capsys.readouterr() == ("", "txn-reconcile: bad configuration: x\n")
+
+
+def test_submit_passes_the_resolved_jars_with_s3a_only_for_a_warehouse_on_s3(monkeypatch):
+    delta = "/m2/io/delta/delta-spark_4.2_2.13/4.4.0/delta-spark_4.2_2.13-4.4.0.jar"
+    aws = "/m2/org/apache/hadoop/hadoop-aws/3.5.0/hadoop-aws-3.5.0.jar"
+    sdk = "/m2/software/amazon/awssdk/bundle/2.35.4/bundle-2.35.4.jar"
+    monkeypatch.setattr(session, "resolved_jars", lambda: [delta, aws, sdk])
+    monkeypatch.delenv("TXN_WAREHOUSE", raising=False)
+    assert session.submit_jars(["run", "--warehouse", "/tmp/wh"]) == delta
+    on_s3 = ["run", "--warehouse", "s3://bucket/wh"]
+    assert session.submit_jars(on_s3) == f"{delta},{aws},{sdk}"
+    # A list without hadoop-aws, or no list: `--packages`, resolved by Ivy.
+    monkeypatch.setattr(session, "resolved_jars", lambda: [delta])
+    assert session.submit_jars(on_s3) == ""
+    assert session.submit_jars(["status", "--warehouse", "/tmp/wh"]) == delta
+    monkeypatch.setattr(session, "resolved_jars", lambda: None)
+    assert session.submit_jars(["run", "--warehouse", "/tmp/wh"]) == ""
