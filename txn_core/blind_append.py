@@ -41,6 +41,8 @@ ENGINE_INFO = "lakehouse-txn blind append"
 #: on S3, an appender idle longer than this checks that the version it took
 #: was never taken before (log clean-up deletes only entries days old)
 IDLE_RECHECK_S = 60.0
+#: how often a put answered 409 (another put of the key under way) is asked again
+CONFLICT_RETRIES = 10
 
 
 class TableChanged(RuntimeError):
@@ -361,7 +363,7 @@ class _S3Store:
     def put_entry(self, version: int, staged: Staged) -> bool:
         from botocore.exceptions import ClientError
 
-        while True:
+        for attempt in range(CONFLICT_RETRIES + 1):
             try:
                 self._client.put_object(
                     Bucket=self._bucket, Key=self._entry_key(version), Body=staged, IfNoneMatch="*"
@@ -371,8 +373,11 @@ class _S3Store:
                 status = _status(exc)
                 if status == 412:
                     return False
-                if status != 409:  # 409: a concurrent put of the same key; ask again
+                # 409: a concurrent put of the same key was under way; ask again
+                if status != 409 or attempt == CONFLICT_RETRIES:
                     raise
+                time.sleep(0.01 * (attempt + 1))
+        raise AssertionError("unreachable")
 
     def read_entry(self, version: int) -> bytes | None:
         from botocore.exceptions import ClientError

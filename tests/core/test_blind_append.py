@@ -275,3 +275,39 @@ def test_other_stores_and_unopened_warehouses_fall_back_to_delta_rs(s3, tmp_path
         assert "was not opened" in unsupported_reason(unopened, schema, options)
     finally:
         storage._registered.update(saved)
+
+
+def test_on_s3_a_put_met_by_a_concurrent_put_is_asked_again_then_reported(s3, monkeypatch):
+    """S3 answers 409 while another conditional put of the key is under way:
+    the appender asks again (and gives up, raising, if it never ends)."""
+    from botocore.exceptions import ClientError
+
+    import txn_core.blind_append as blind_append
+
+    table, options = _s3_table(s3)
+    schema = arrow_schema(OP)
+    appender = BlindAppender(table, schema)
+    client = appender._store._client
+    real_put, conflicts = client.put_object, []
+
+    def conflicting(**kwargs):
+        if kwargs.get("IfNoneMatch") and len(conflicts) < 2:
+            conflicts.append(kwargs["Key"])
+            raise ClientError(
+                {
+                    "Error": {"Code": "ConditionalRequestConflict"},
+                    "ResponseMetadata": {"HTTPStatusCode": 409},
+                },
+                "PutObject",
+            )
+        return real_put(**kwargs)
+
+    monkeypatch.setattr(client, "put_object", conflicting)
+    assert appender.append(to_arrow(schema, op_rows([5]), "store_ms", STORE_MS)) == 1
+    assert len(conflicts) == 2
+    monkeypatch.setattr(blind_append, "CONFLICT_RETRIES", 1)
+    conflicts.clear()
+    with pytest.raises(ClientError, match="ConditionalRequestConflict"):
+        appender.append(to_arrow(schema, op_rows([6]), "store_ms", STORE_MS))
+    final = DeltaTable(table.table_uri, storage_options=options)
+    assert sorted(final.to_pyarrow_table()["op_offset"].to_pylist()) == [5]
