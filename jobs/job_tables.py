@@ -7,20 +7,9 @@ import logging
 
 from pyspark.sql import SparkSession
 
-from schemas import (
-    CHECK_REQUESTS,
-    DISCARD,
-    PENDING,
-    QUEUES,
-    REJECTED,
-    RESOLVED,
-    RUNS,
-    TOPIC,
-    TableSchema,
-    table_path,
-    topic_path,
-)
+from schemas import TOPIC, TableSchema, table_path, topic_path
 from schemas.arrow import arrow_schema
+from schemas.tables import CHECK_REQUESTS, DISCARD, PENDING, QUEUES, REJECTED, RESOLVED, RUNS
 from txn_core.storage import options_for
 
 log = logging.getLogger(__name__)

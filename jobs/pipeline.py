@@ -15,18 +15,8 @@ from jobs.counters import Counters
 from jobs.held import Held
 from jobs.local import local_frame
 from jobs.writes import RunWrites, start_deliveries
-from schemas import (
-    CHECK_ANSWERS,
-    CHECK_REQUESTS,
-    DISCARD,
-    HALF,
-    OP,
-    PENDING,
-    QUEUES,
-    REJECTED,
-    RESOLVED,
-    table_path,
-)
+from schemas import CHECK_ANSWERS, HALF, OP, table_path
+from schemas.tables import CHECK_REQUESTS, DISCARD, PENDING, QUEUES, REJECTED, RESOLVED
 from txn_core.vocabulary import Decision
 
 #: above this many OPs for messages no longer pending, look them up by a join, not IN (...)

@@ -18,19 +18,9 @@ from dataclasses import asdict, dataclass
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
-from schemas import (
-    CHECK_REQUESTS,
-    DISCARD,
-    HALF,
-    OP,
-    PENDING,
-    QUEUES,
-    REJECTED,
-    RESOLVED,
-    TOPIC,
-    TableSchema,
-)
+from schemas import HALF, OP, TOPIC, TableSchema
 from schemas.spark import spark_type
+from schemas.tables import CHECK_REQUESTS, DISCARD, PENDING, QUEUES, REJECTED, RESOLVED
 from txn_core.vocabulary import (
     SYSTEM_TOPIC_REGEX,
     TOPIC_PATTERN,

@@ -25,22 +25,9 @@ from pyspark.sql import functions as F
 from jobs import inputs, job_tables
 from jobs.local import local_frame
 from jobs.session import use_warehouse
-from schemas import (
-    CHECK_REQUESTS,
-    DISCARD,
-    HALF,
-    OP,
-    PENDING,
-    QUEUES,
-    REJECTED,
-    RESOLVED,
-    RUNS,
-    TOPIC,
-    TableSchema,
-    table_path,
-    topic_path,
-)
+from schemas import HALF, OP, TOPIC, TableSchema, table_path, topic_path
 from schemas.spark import spark_schema
+from schemas.tables import CHECK_REQUESTS, DISCARD, PENDING, QUEUES, REJECTED, RESOLVED, RUNS
 from txn_core.config import as_config
 from txn_core.vocabulary import (
     SYSTEM_TOPIC_REGEX,
@@ -330,6 +317,19 @@ def _content_check(when: F.Column, table, columns=CONTENT) -> F.Column:
     return _check(when & any_differs, "content_mismatch", table, describe(""), describe("f_"))
 
 
+def _op_text(action: str, source: str, op_offset: str, version: str) -> F.Column:
+    """An OP as a difference shows it: "COMMIT PRODUCER op_offset 7 version 3"."""
+    return F.concat_ws(
+        " ",
+        F.col(action),
+        F.col(source),
+        F.lit("op_offset"),
+        F.col(op_offset).cast("string"),
+        F.lit("version"),
+        F.col(version).cast("string"),
+    )
+
+
 def _duplicates(rows: DataFrame, kind: str, table: str) -> DataFrame:
     per_msg = rows.groupBy("half_offset").agg(
         F.count("*").alias("n"), F.first("transaction_id").alias("transaction_id")
@@ -390,31 +390,22 @@ def _topic_differences(delivered_rows: DataFrame, expected: DataFrame) -> list[D
                 "a delivered row",
                 transaction_id="f_transaction_id",
             ),
-            _check(
-                both & (F.col("f_found_topic") != F.col("topic")),
-                "wrong_topic",
-                found_in,
-                F.col("topic"),
-                F.col("f_found_topic"),
-                transaction_id="f_transaction_id",
-            ),
             _content_check(both, "topics"),
-            _check(
-                both & (F.col("f_queue_offset") != F.col("exp_queue_offset")),
-                "queue_offset_order",
-                found_in,
-                F.col("exp_queue_offset").cast("string"),
-                F.col("f_queue_offset").cast("string"),
-                transaction_id="f_transaction_id",
-            ),
-            _check(
-                both & (F.col("f_commit_ms") != F.col("w_store_ms")),
-                "commit_ms_mismatch",
-                found_in,
-                F.col("w_store_ms").cast("string"),
-                F.col("f_commit_ms").cast("string"),
-                transaction_id="f_transaction_id",
-            ),
+            *[
+                _check(
+                    both & (F.col(found) != F.col(wanted)),
+                    kind,
+                    found_in,
+                    F.col(wanted).cast("string"),
+                    F.col(found).cast("string"),
+                    transaction_id="f_transaction_id",
+                )
+                for kind, wanted, found in (
+                    ("wrong_topic", "topic", "f_found_topic"),
+                    ("queue_offset_order", "exp_queue_offset", "f_queue_offset"),
+                    ("commit_ms_mismatch", "w_store_ms", "f_commit_ms"),
+                )
+            ],
         ),
         _duplicates(delivered_rows, "duplicate_delivery", "topics"),
         _diff(
@@ -490,24 +481,8 @@ def _resolved_differences(resolved: DataFrame, expected: DataFrame) -> list[Data
                 row & decided & differs,
                 "resolved_mismatch",
                 RESOLVED.path,
-                F.concat_ws(
-                    " ",
-                    F.col("w_action"),
-                    F.col("w_source"),
-                    F.lit("op_offset"),
-                    F.col("w_op_offset").cast("string"),
-                    F.lit("version"),
-                    F.col("w_cv").cast("string"),
-                ),
-                F.concat_ws(
-                    " ",
-                    F.col("f_action"),
-                    F.col("f_source"),
-                    F.lit("op_offset"),
-                    F.col("f_op_offset").cast("string"),
-                    F.lit("version"),
-                    F.col("f_op_version").cast("string"),
-                ),
+                _op_text("w_action", "w_source", "w_op_offset", "w_cv"),
+                _op_text("f_action", "f_source", "f_op_offset", "f_op_version"),
             ),
         ),
         _duplicates(resolved, "duplicate_resolved", RESOLVED.path),
