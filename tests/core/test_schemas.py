@@ -25,7 +25,7 @@ def test_arrow_and_spark_schemas_agree(table):
     assert _shape(from_arrow_schema(arrow_schema(table))) == _shape(spark_schema(table))
 
 
-def test_spec_column_names_are_fixed():
+def test_the_documented_column_names_are_fixed():  # docs/protocol.md §2
     assert HALF.names[:13] == [
         "half_offset",
         "transaction_id",
