@@ -27,7 +27,16 @@ from jobs.local import local_frame
 from jobs.session import use_warehouse
 from schemas import HALF, OP, TOPIC, TableSchema, table_path, topic_path
 from schemas.spark import spark_schema
-from schemas.tables import CHECK_REQUESTS, DISCARD, PENDING, QUEUES, REJECTED, RESOLVED, RUNS
+from schemas.tables import (
+    CHECK_REQUESTS,
+    DISCARD,
+    MESSAGE_COLUMNS,
+    PENDING,
+    QUEUES,
+    REJECTED,
+    RESOLVED,
+    RUNS,
+)
 from txn_core.config import as_config
 from txn_core.vocabulary import (
     SYSTEM_TOPIC_REGEX,
@@ -42,17 +51,7 @@ from txn_core.vocabulary import (
 # them did not come from the broker core and is set aside by the job.
 # The message's content as the half row has it; a topic, pending or discard row
 # must carry it unchanged (I3).
-CONTENT = (
-    "transaction_id",
-    "msg_id",
-    "producer_group",
-    "queue_id",
-    "tags",
-    "keys",
-    "body",
-    "properties",
-    "born_ms",
-)
+CONTENT = tuple(c for c in MESSAGE_COLUMNS if c != "topic")
 MAX_LISTED = 1000
 
 DELIVERED, ROLLED_BACK, DISCARDED, PENDING_FATE, REJECTED_FATE = (

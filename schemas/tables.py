@@ -72,6 +72,8 @@ _MESSAGE = (
     ("properties", "map<string,string>"),
     ("born_ms", "bigint", False),
 )
+#: a message's columns, as every table that carries one names them
+MESSAGE_COLUMNS = tuple(c[0] for c in _MESSAGE)
 
 HALF = TableSchema(
     "_sys/half",

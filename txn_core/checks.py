@@ -32,21 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_REQUEST_COLUMNS = [
-    "request_id",
-    "half_offset",
-    "transaction_id",
-    "msg_id",
-    "producer_group",
-    "topic",
-    "queue_id",
-    "tags",
-    "keys",
-    "body",
-    "properties",
-    "born_ms",
-    "check_times",
-]
+#: what a producer reads of a request: all of it but the job's bookkeeping
+_REQUEST_COLUMNS = [n for n in CHECK_REQUESTS.names if n not in ("run_id", "requested_ms")]
 
 
 class CheckAnswerer:
