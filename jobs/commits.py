@@ -26,11 +26,16 @@ from pyspark.sql.types import StructType
 
 from schemas import DISTINCT_COLUMNS
 from txn_core.delta_log import file_stats, local_path, reader_duties, writer_duties
+from txn_core.storage import is_s3, options_for, registered
 
 #: where Spark writes a commit's files before they move into the table; a
 #: crash can leave one behind (hidden from Delta by its leading `_`), and
 #: the next write to the table removes it (one writer at a time: the lease)
 STAGING_PREFIX = "_txn_staging-"
+#: on S3, the directory inside the table where Spark writes a commit's files,
+#: and where they stay: a move there is a copy. Not hidden, so that VACUUM
+#: deletes what a crash left uncommitted, once older than its retention.
+S3_STAGING_PREFIX = "txn-staged-"
 #: Delta's defaults, for tables that do not set them
 DEFAULT_INDEXED_COLUMNS = 32
 DEFAULT_CHECKPOINT_INTERVAL = 10
@@ -38,20 +43,28 @@ DEFAULT_CHECKPOINT_INTERVAL = 10
 STRING_PREFIX = 32
 
 
+def splittable(path: str, df: DataFrame):
+    """`committable`, for `stage_split`: on a local disk only, where a file
+    moves from one table's directory to another's by a rename (on S3, a copy)."""
+    return committable(path, df) if local_path(path) is not None else None
+
+
 def committable(path: str, df: DataFrame):
-    """The delta-rs table at `path` when this module can write `df` to it,
-    else None: a table on a local disk whose protocol asks for nothing beyond
-    the change data feed (whole files added or removed need no change files:
-    the feed's readers take them as inserts and deletes), with no CHECK
-    constraint, invariant or generated column to enforce, and `df`'s columns."""
-    root = local_path(path)
-    if root is None:
+    """The delta-rs table at `path` when this module (`write`) or the driver
+    (`jobs.driver_writes`) can commit `df`'s rows to it — the commit Delta's
+    writer would make —, else None: a table on a local disk or in a
+    registered S3 warehouse (`txn_core.storage`) whose protocol asks for
+    nothing beyond the change data feed (whole files added or removed need
+    no change files: the feed's readers take them as inserts and deletes),
+    with no CHECK constraint, invariant or generated column to enforce, and
+    `df`'s columns."""
+    if not _local_or_registered_s3(path):
         return None
     from deltalake import DeltaTable as RsTable
     from deltalake.exceptions import TableNotFoundError
 
     try:
-        table = RsTable(path)
+        table = RsTable(path, storage_options=options_for(path))
     except TableNotFoundError:
         return None
     if reader_duties(table) is not None or writer_duties(table) is not None:
@@ -61,6 +74,14 @@ def committable(path: str, df: DataFrame):
         (f.name, f.dataType.simpleString()) for f in df.schema.fields
     ]
     return table if same_columns else None
+
+
+def _local_or_registered_s3(path: str) -> bool:
+    """Whether `path` is on a local disk or in an S3 warehouse this process
+    registered (`txn_core.storage.use`): what this module and delta-rs'
+    commits from the driver are tested on. Elsewhere (ADLS, GCS) Delta's
+    writer writes."""
+    return local_path(path) is not None or (is_s3(path) and registered(path) is not None)
 
 
 def table_schema(table) -> StructType:
@@ -84,6 +105,8 @@ def stage(df: DataFrame, table) -> list:
     """Write `df`'s rows as files into the table's directory, uncommitted
     (invisible to readers); their `add` actions, for `commit`."""
     root = local_path(table.table_uri)
+    if root is None:
+        return _stage_on_s3(df, table)
 
     def write(staging: str) -> dict:
         _writer(df.select(*_not_null_checked(df, table_schema(table), root))).parquet(staging)
@@ -138,6 +161,64 @@ def _staged(tables: dict, write) -> dict:
     return staged
 
 
+def _stage_on_s3(df: DataFrame, table) -> list:
+    """`stage` on S3: the files stay where Spark wrote them, in a directory of
+    their own inside the table (`S3_STAGING_PREFIX`), named by their `add`
+    actions; their sizes from one listing, their statistics from their
+    footers (a ranged GET each)."""
+    uri = table.table_uri.rstrip("/")
+    name = S3_STAGING_PREFIX + uuid.uuid4().hex
+    _writer(df.select(*_not_null_checked(df, table_schema(table), uri))).parquet(f"{uri}/{name}")
+    storage = registered(uri)
+    client = storage.s3_client()
+    prefix = f"{uri.split('://', 1)[1].partition('/')[2]}/{name}/"
+    files = [
+        obj
+        for page in client.get_paginator("list_objects_v2").paginate(
+            Bucket=storage.bucket, Prefix=prefix
+        )
+        for obj in page.get("Contents", [])
+        if obj["Key"].endswith(".parquet") and "/" not in obj["Key"][len(prefix) :]
+    ]
+    indexed = _indexed_columns(table_schema(table), table.metadata().configuration)
+    adds = []
+    for obj in sorted(files, key=lambda o: o["Key"]):
+        metadata = _footer(client, storage.bucket, obj["Key"], obj["Size"])
+        if metadata.num_rows == 0:  # Spark writes one for an empty DataFrame
+            client.delete_object(Bucket=storage.bucket, Key=obj["Key"])
+            continue
+        adds.append(
+            _add(
+                f"{name}/{obj['Key'][len(prefix) :]}",
+                obj["Size"],
+                int(obj["LastModified"].timestamp() * 1000),
+                file_stats(metadata, indexed, string_prefix=STRING_PREFIX),
+            )
+        )
+    return adds
+
+
+#: a parquet file's last bytes fetched first, which hold a small footer whole
+_FOOTER_GUESS = 64 * 1024
+
+
+def _footer(client, bucket: str, key: str, size: int):
+    """The parquet footer of an S3 object: its last bytes, then as many as the
+    footer's length says if they were not enough."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def tail(n: int) -> bytes:
+        ranged = f"bytes={size - n}-"
+        return client.get_object(Bucket=bucket, Key=key, Range=ranged)["Body"].read()
+
+    data = tail(min(size, _FOOTER_GUESS))
+    needed = int.from_bytes(data[-8:-4], "little") + 8
+    if needed > len(data):
+        data = tail(needed)
+    return pq.read_metadata(pa.BufferReader(data))
+
+
 #: the column `stage_split` partitions its one write by: the target's index
 _SPLIT_COLUMN = "_txn_target"
 
@@ -160,7 +241,7 @@ def commit(table, adds: list, mode: str, user_metadata: str) -> int:
     )
     table.update_incremental()
     version = table.version()
-    _checkpoint_as_delta_does(table, version, table.metadata().configuration)
+    checkpoint_as_delta_does(table, version, table.metadata().configuration)
     return version
 
 
@@ -244,7 +325,6 @@ def _add_action(root: str, name: str, indexed: list[str]):
     """The `add` action of a data file; None for a file without rows (Spark
     writes one for an empty DataFrame), which is deleted instead."""
     import pyarrow.parquet as pq
-    from deltalake.transaction import AddAction
 
     full = os.path.join(root, name)
     metadata = pq.read_metadata(full)
@@ -255,10 +335,17 @@ def _add_action(root: str, name: str, indexed: list[str]):
         return None
     info = os.stat(full)
     stats = file_stats(metadata, indexed, string_prefix=STRING_PREFIX)
-    return AddAction(name, info.st_size, {}, int(info.st_mtime * 1000), True, json.dumps(stats))
+    return _add(name, info.st_size, int(info.st_mtime * 1000), stats)
 
 
-def _checkpoint_as_delta_does(table, version: int, config: dict) -> None:
+def _add(path: str, size: int, mtime_ms: int, stats: dict):
+    """The `add` action of a data file (`path` relative to the table's root)."""
+    from deltalake.transaction import AddAction
+
+    return AddAction(path, size, {}, mtime_ms, True, json.dumps(stats))
+
+
+def checkpoint_as_delta_does(table, version: int, config: dict) -> None:
     """A checkpoint every `delta.checkpointInterval` commits (Delta's default,
     10), and the log entries past `delta.logRetentionDuration` dropped then,
     as Delta's writer does after its commits; Spark's readers then replay at

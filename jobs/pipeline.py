@@ -122,9 +122,16 @@ def compute(
             table_path(wh, QUEUES),
             QUEUES.path,
             "overwrite",
+            rows=len(queue_ends),  # and the queues this run leaves as they are: a few per topic
         )
     if writing and (c["committed"] or c["rolled_back"]):
-        writes.start(T.resolved_rows(won, rules), table_path(wh, RESOLVED), RESOLVED.path, "append")
+        writes.start(
+            T.resolved_rows(won, rules),
+            table_path(wh, RESOLVED),
+            RESOLVED.path,
+            "append",
+            rows=c["committed"] + c["rolled_back"],
+        )
     known = T.known_messages(messages, discard_hist)
     if writing and delivered_by_topic:  # the biggest write: started before the others are planned
         delivered = T.with_bodies(
@@ -220,27 +227,28 @@ def _queue_ends_frame(spark, queue_ends: list[tuple]):
 def write_outputs(wh: str, out: Outputs, writes: RunWrites) -> None:
     """Write every output table of the run but those `compute` started
     (`_sys/queues`, `_sys/resolved`, the topics), and wait for all."""
-    for df, path, app, mode in _output_writes(wh, out):
-        writes.start(df, path, app, mode)
+    for df, path, app, mode, rows in _output_writes(wh, out):
+        writes.start(df, path, app, mode, rows)
     writes.finish()
 
 
 def _output_writes(wh: str, out: Outputs) -> list[tuple]:
-    """(DataFrame, table path, app id, save mode) of each table this run
-    changes, but those `compute` starts."""
+    """(DataFrame, table path, app id, save mode, rows) of each table this
+    run changes, but those `compute` starts."""
     c = out.counts
     frames = {
-        CHECK_REQUESTS: (out.requests, "append"),
-        DISCARD: (out.discards, "append"),
-        PENDING: (out.pending, "overwrite"),
+        CHECK_REQUESTS: (out.requests, "append", c["check_requests"]),
+        DISCARD: (out.discards, "append", c["discarded_max_checks"] + c["discarded_expired"]),
+        PENDING: (out.pending, "overwrite", c["pending_after"]),
     }
     writes = [
-        (df, table_path(wh, table), table.path, mode)
-        for table, (df, mode) in frames.items()
+        (df, table_path(wh, table), table.path, mode, rows)
+        for table, (df, mode, rows) in frames.items()
         if table.path in _tables_of_undelivered(c)
     ]
-    if c["rejected_halves"] or c["invalid_ops"] or c["late_ops"]:
-        writes.append((out.rejected, table_path(wh, REJECTED), REJECTED.path, "append"))
+    rejected = c["rejected_halves"] + c["invalid_ops"] + c["late_ops"]
+    if rejected:
+        writes.append((out.rejected, table_path(wh, REJECTED), REJECTED.path, "append", rejected))
     return writes
 
 

@@ -123,7 +123,7 @@ def recover(spark, config: Config | dict, *, clock=time.time) -> RunSummary | No
         if last is None or last.status != RunStatus.STARTED:
             return None
         with lease.renewed():
-            return _execute(spark, cfg.warehouse, last, lease, redo=True).summary
+            return _execute(spark, cfg, last, lease, redo=True).summary
     finally:
         lease.release()
 
@@ -136,7 +136,7 @@ def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSumm
     if last is not None and last.status == RunStatus.STARTED:
         # Same input versions, state versions, clock and rules as the first
         # attempt: the writes it made are skipped, the others done.
-        last = _execute(spark, wh, last, lease, redo=True).record
+        last = _execute(spark, cfg, last, lease, redo=True).record
         redone = last.run_id
     intent = _new_intent(spark, wh, last, cfg, now_ms)
     lease.keep_alive()
@@ -145,7 +145,7 @@ def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSumm
     else:
         run_log.write_run_record(wh, intent)
         fault_point("after_intent")
-        summary = _execute(spark, wh, intent, lease).summary
+        summary = _execute(spark, cfg, intent, lease).summary
     summary.redone_run_id = redone
     if intent.run_number % job_tables.COMPACT_EVERY_RUNS == 0:
         lease.keep_alive()
@@ -228,7 +228,7 @@ def _dry_run(spark, cfg: Config, now_ms: int | None) -> RunSummary:
         if last is not None and last.status == RunStatus.STARTED
         else _new_intent(spark, cfg.warehouse, last, cfg, now_ms)
     )
-    summary = _execute(spark, cfg.warehouse, record, lease=None, write=False).summary
+    summary = _execute(spark, cfg, record, lease=None, write=False).summary
     summary.dry_run = True
     return summary
 
@@ -283,7 +283,7 @@ class _Executed:
 
 def _execute(
     spark,
-    wh: str,
+    cfg: Config,
     record: run_log.RunRecord,
     lease: Lease | None,
     write: bool = True,
@@ -292,9 +292,10 @@ def _execute(
     """Compute the run of `record` and, if `write`, write it; `redo`: a
     crashed attempt of this run may have written some of its tables."""
     started = time.time()
+    wh = cfg.warehouse
     rules = T.Rules.from_json(record.rules_json)
     held = Held()
-    writes = RunWrites(record.run_number, lease, redo) if write else None
+    writes = RunWrites(record.run_number, lease, redo, cfg.max_body_bytes) if write else None
     try:
         out = compute(spark, wh, record, rules, held, writes)
         if writes is not None:

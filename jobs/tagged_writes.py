@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from pyspark.sql import DataFrame
 
-from jobs import commits
+from jobs import commits, driver_writes
 from txn_core.storage import options_for
 
 
@@ -29,16 +29,24 @@ def _read_tag(user_metadata: str | None) -> tuple[int, str] | None:
 
 
 def write_for_run(
-    df: DataFrame, path: str, run_number: int, app: str, *, mode: str = "append", redo: bool = False
+    df: DataFrame,
+    path: str,
+    run_number: int,
+    app: str,
+    *,
+    mode: str = "append",
+    redo: bool = False,
+    collect: bool = False,
 ) -> bool:
     """Write `df` as run `run_number`'s commit to `path`, tagged with the run
     (`run_tag`). On a redo, skip the write when the crashed attempt already
     committed it (`committed_by_run`). Returns whether it wrote.
 
-    Written by `jobs.commits` (Spark's parquet writer, then a delta-rs
-    commit) where that commit is the one Delta's writer would make, which
-    saves the writer's snapshot and post-commit jobs; by Delta's writer
-    everywhere else.
+    `collect`: the rows are few, collected by the driver and committed by
+    delta-rs (`jobs.driver_writes`). Otherwise written by `jobs.commits`
+    (Spark's parquet writer, then a delta-rs commit). Either only where that
+    commit is the one Delta's writer would make, which saves the writer's
+    snapshot and post-commit jobs; by Delta's writer everywhere else.
 
     Why tags, not Delta's txnAppId/txnVersion: Delta checks those against the
     table's whole reconstructed state, a Spark job per table written — most of a
@@ -50,6 +58,10 @@ def write_for_run(
     if redo and committed_by_run(path, run_number, app):
         return False
     tag = run_tag(run_number, app)
+    table = commits.committable(path, df) if collect else None
+    if table is not None:
+        driver_writes.write(driver_writes.collect(df), table, mode, tag)
+        return True
     table = commits.committable(path, df)
     if table is not None:
         commits.write(df, table, mode, tag)
@@ -58,12 +70,17 @@ def write_for_run(
     return True
 
 
-def split_tables(df: DataFrame, column: str, paths: dict[str, str]) -> dict | None:
+def split_tables(
+    df: DataFrame, column: str, paths: dict[str, str], *, collected: bool = False
+) -> dict | None:
     """The tables of `paths` (by value of `column`) opened for `split_commits`,
     or None unless `jobs.commits` can write every one of them the rows of
-    `df` (then `write_for_run`, one table at a time)."""
+    `df` in one Spark job (`commits.splittable`; else `write_for_run`, one
+    table at a time). `collected`: for rows the driver collects, which every
+    table taking delta-rs' commits can be given (`commits.committable`)."""
     rows = df.drop(column)
-    tables = {value: commits.committable(path, rows) for value, path in paths.items()}
+    opened = commits.committable if collected else commits.splittable
+    tables = {value: opened(path, rows) for value, path in paths.items()}
     return None if any(table is None for table in tables.values()) else tables
 
 

@@ -8,8 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pyspark.sql import functions as F
 
-from jobs import job_tables, tagged_writes
+from jobs import driver_writes, job_tables, tagged_writes
 from jobs.faults import InjectedFault, fault_point
+from jobs.held import Held
 from jobs.lease import Lease, LeaseLost
 
 #: output tables written at once (independent writes; see RunWrites)
@@ -18,20 +19,29 @@ PARALLEL_WRITES = 4
 
 class RunWrites:
     """The run's table writes, each started as soon as its rows are known,
-    several at a time (`PARALLEL_WRITES`).
+    several at a time (`PARALLEL_WRITES`); `max_body_bytes`: the largest
+    message body a producer may send (what a collected write may hold).
 
     The writes are independent — each is one tagged commit, skipped on a
     redo that finds it, and the intent makes them one run — so they need no
     order, and overlapping them hides each commit's round trips.
     """
 
-    def __init__(self, run_number: int, lease: Lease, redo: bool) -> None:
+    def __init__(self, run_number: int, lease: Lease, redo: bool, max_body_bytes: int) -> None:
         self._put_args = (run_number, lease, redo)
+        self._max_body_bytes = max_body_bytes
         self._pool = ThreadPoolExecutor(PARALLEL_WRITES, thread_name_prefix="write")
         self._started: list = []
 
-    def start(self, df, path: str, app: str, mode: str) -> None:
-        self.submit(_put, df, path, app, mode)
+    def start(self, df, path: str, app: str, mode: str, rows: int | None = None) -> None:
+        """Write `df` to the table at `path` as the run's commit of `app`;
+        `rows`: how many rows it has, when known (few: the driver collects
+        and commits them, `jobs.driver_writes`)."""
+        self.submit(_put, df, path, app, mode, self.collects(rows, df.columns))
+
+    def collects(self, rows: int | None, columns) -> bool:
+        """Whether a write of `rows` rows of these columns goes through the driver."""
+        return rows is not None and driver_writes.fits(rows, columns, self._max_body_bytes)
 
     def submit(self, put, *args) -> None:
         """Run `put(*args, run_number, lease, redo)` beside the other writes."""
@@ -56,30 +66,33 @@ class RunWrites:
             raise next((e for e in errors if isinstance(e, (InjectedFault, LeaseLost))), errors[0])
 
 
-def start_deliveries(wh: str, delivered, topics, writes: RunWrites) -> None:
+def start_deliveries(wh: str, delivered, topics: dict[str, int], writes: RunWrites) -> None:
     """Start writing `delivered` (TOPIC rows with their `topic`) to the
-    tables of `topics`: in one Spark job when `jobs.commits` can write them
-    all (`_put_deliveries`), else one write per topic."""
+    tables of `topics` (rows by topic): few rows, collected by the driver
+    once and committed to each table (`_put_collected_deliveries`); else in
+    one Spark job when `jobs.commits` can write them all (`_put_deliveries`);
+    else by Delta's writer, one write per topic (`_put_each_topic`)."""
     paths = {
         topic: job_tables.ensure_topic_table(wh, topic)  # creating one is a commit too
         for topic in topics
     }
+    if writes.collects(sum(topics.values()), delivered.columns):
+        tables = tagged_writes.split_tables(delivered, "topic", paths, collected=True)
+        if tables is not None:
+            writes.submit(_put_collected_deliveries, delivered, tables)
+            return
     tables = tagged_writes.split_tables(delivered, "topic", paths)
     if tables is not None:
         writes.submit(_put_deliveries, delivered, tables)
         return
-    for topic, path in paths.items():
-        writes.start(
-            delivered.where(F.col("topic") == topic).drop("topic"),
-            path,
-            f"topics/{topic}",
-            "append",
-        )
+    writes.submit(_put_each_topic, delivered, paths)
 
 
-def _put(df, path: str, app: str, mode: str, run_number: int, lease: Lease, redo: bool) -> None:
+def _put(
+    df, path: str, app: str, mode: str, collect: bool, run_number: int, lease: Lease, redo: bool
+) -> None:
     lease.keep_alive()  # never write once another run may have taken over
-    tagged_writes.write_for_run(df, path, run_number, app, mode=mode, redo=redo)
+    tagged_writes.write_for_run(df, path, run_number, app, mode=mode, redo=redo, collect=collect)
     fault_point(f"after:{app}")
 
 
@@ -88,17 +101,69 @@ def _put_deliveries(delivered, tables: dict, run_number: int, lease: Lease, redo
     `tagged_writes.split_tables`): all of them written by one Spark job, then one
     tagged commit per topic. A redo writes only the topics its crashed
     attempt did not commit."""
-    apps = {topic: f"topics/{topic}" for topic in tables}
-    todo = {
-        topic: table
-        for topic, table in tables.items()
-        if not (redo and tagged_writes.committed_by_run(table.table_uri, run_number, apps[topic]))
-    }
+    todo = _topics_to_write(tables, run_number, redo)
     if not todo:
         return
     lease.keep_alive()  # never write once another run may have taken over
     append = tagged_writes.split_commits(delivered, "topic", todo)
     for topic in sorted(todo):
         lease.keep_alive()
-        append[topic](tagged_writes.run_tag(run_number, apps[topic]))
-        fault_point(f"after:{apps[topic]}")
+        append[topic](tagged_writes.run_tag(run_number, _app(topic)))
+        fault_point(f"after:{_app(topic)}")
+
+
+def _put_collected_deliveries(
+    delivered, tables: dict, run_number: int, lease: Lease, redo: bool
+) -> None:
+    """`_put_deliveries` through the driver: the rows collected once
+    (`jobs.driver_writes`), then one tagged commit per topic."""
+    todo = _topics_to_write(tables, run_number, redo)
+    if not todo:
+        return
+    lease.keep_alive()  # never write once another run may have taken over
+    by_topic = driver_writes.split(driver_writes.collect(delivered), "topic", todo)
+    for topic in sorted(todo):
+        lease.keep_alive()
+        tag = tagged_writes.run_tag(run_number, _app(topic))
+        driver_writes.write(by_topic[topic], todo[topic], "append", tag)
+        fault_point(f"after:{_app(topic)}")
+
+
+def _put_each_topic(delivered, paths: dict, run_number: int, lease: Lease, redo: bool) -> None:
+    """Each topic's rows of `delivered` appended to its table (`paths`) by
+    Delta's writer, all topics at once: for more than one, the rows are
+    computed once and kept (`jobs.held`), where each write would otherwise
+    compute all of them (the messages' bodies read and joined) to keep its own."""
+    todo = _topics_to_write(paths, run_number, redo)
+    if not todo:
+        return
+    held = Held()
+    try:
+        kept = held.checkpoint(delivered) if len(todo) > 1 else delivered
+
+        def put(topic: str) -> None:
+            rows = kept.where(F.col("topic") == topic).drop("topic")
+            _put(rows, todo[topic], _app(topic), "append", False, run_number, lease, False)
+
+        with ThreadPoolExecutor(len(todo), thread_name_prefix="topic") as pool:
+            list(pool.map(put, sorted(todo)))
+    finally:
+        held.release()
+
+
+def _topics_to_write(tables: dict, run_number: int, redo: bool) -> dict:
+    """The topics of `tables` (a table or its path, by topic) to write: all,
+    but on a redo those its crashed attempt committed."""
+    return {
+        topic: table
+        for topic, table in tables.items()
+        if not (redo and tagged_writes.committed_by_run(_uri(table), run_number, _app(topic)))
+    }
+
+
+def _uri(table) -> str:
+    return table if isinstance(table, str) else table.table_uri
+
+
+def _app(topic: str) -> str:
+    return f"topics/{topic}"

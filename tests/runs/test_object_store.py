@@ -8,7 +8,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 
+import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
@@ -232,6 +234,48 @@ def test_the_job_reads_appended_rows_and_snapshots_as_parquet_on_s3(spark, s3):
     assert all(f.startswith("s3a://") for f in appends.snapshot_files(path, upto))
 
 
+def test_the_jobs_writes_are_committed_by_delta_rs_on_s3_collected_or_spark_written(spark, s3):
+    """A run's write of few rows is collected and committed by delta-rs on
+    S3 too; a bigger one is written by Spark into the table's own staging
+    directory, where its files stay, and committed by delta-rs with their
+    statistics. Both tagged with their run; a table Delta's writer must
+    write (a CHECK constraint) still gets Delta's writer."""
+    from jobs import commits, job_tables, tagged_writes
+    from jobs.session import use_warehouse
+    from schemas import QUEUES
+    from schemas.spark import spark_schema
+
+    cfg = load_config(env={}, **s3.config())
+    use_warehouse(spark, cfg)
+    job_tables.ensure_job_tables(cfg.warehouse)
+    path = table_path(cfg.warehouse, QUEUES)
+    rows = spark.createDataFrame([("ORDER", 0, 5, 1), ("PAY", 1, 9, 1)], spark_schema(QUEUES))
+    assert commits.committable(path, rows) and commits.splittable(path, rows) is None
+    assert commits.committable("s3a://unregistered-bucket/_sys/queues", rows) is None
+
+    def table() -> DeltaTable:
+        return DeltaTable(path, storage_options=options_for(path))
+
+    def adds() -> list[dict]:
+        return pa.table(table().get_add_actions(flatten=False)).to_pylist()
+
+    tagged_writes.write_for_run(rows, path, 1, QUEUES.path, mode="overwrite", collect=True)
+    assert all("/" not in a["path"] for a in adds())
+    tagged_writes.write_for_run(rows.coalesce(1), path, 2, QUEUES.path, mode="overwrite")
+    (add,) = adds()
+    assert add["path"].startswith(commits.S3_STAGING_PREFIX)
+    assert (add["num_records"], add["max"]["next_queue_offset"]) == (2, 9)
+    assert tagged_writes.committed_by_run(path, 1, QUEUES.path)
+    assert tagged_writes.committed_by_run(path, 2, QUEUES.path)
+    read = spark.read.format("delta").load(path)
+    assert sorted(tuple(r) for r in read.collect()) == [("ORDER", 0, 5, 1), ("PAY", 1, 9, 1)]
+
+    spark.sql(f"ALTER TABLE delta.`{path}` ADD CONSTRAINT c CHECK (next_queue_offset >= 0)")
+    assert commits.committable(path, rows) is None
+    tagged_writes.write_for_run(rows, path, 3, QUEUES.path, mode="overwrite")
+    assert "Apache-Spark" in table().history(1)[0]["engineInfo"]
+
+
 # --- producers --------------------------------------------------------------------------
 
 
@@ -370,6 +414,14 @@ def test_the_whole_cycle_on_s3_checks_discards_resolves_and_verifies(spark, s3):
     assert sorted(r["body"] for r in read_topic(cfg, "PAY")) == [
         bytes([i, 0, 255]) for i in range(3)
     ]
+    # each run's few rows were collected and committed by the driver (jobs.driver_writes)
+    order = topic_path(cfg.warehouse, "ORDER")
+    tagged = [
+        c
+        for c in DeltaTable(order, storage_options=options_for(order)).history()
+        if c.get("userMetadata")
+    ]
+    assert len(tagged) == 3 and all(c["engineInfo"].startswith("delta-rs") for c in tagged)
     runs = _rows(table_path(cfg.warehouse, RUNS))
     _no_secrets(repr(runs), json.dumps(report.to_dict(), default=str))
 
@@ -420,6 +472,47 @@ def _seed(settings: dict) -> None:
     rolled = fx.half(3, store_ms=T - 100_000)
     fx.write_halves(wh, delivered, checked, rolled)
     fx.write_ops(wh, fx.op(delivered, op_offset=11), fx.op(rolled, "ROLLBACK", op_offset=13))
+
+
+@pytest.mark.slow
+def test_deliveries_too_big_for_the_driver_are_written_topic_by_topic_on_s3(spark, s3, monkeypatch):
+    """Where the driver may not collect them and one Spark job may not write
+    them all (S3: a file would be copied from one table to another), each
+    topic's rows are written by Spark into its table and committed, the
+    rows kept once for all topics; a crash between two topics' commits is
+    redone exactly once."""
+    from jobs import commits, driver_writes
+    from jobs.faults import InjectedFault
+    from jobs.reconcile import recover
+
+    import factories as fx
+
+    monkeypatch.setattr(driver_writes, "NARROW_MAX_ROWS", -1)
+    monkeypatch.setattr(driver_writes, "MESSAGE_MAX_ROWS", -1)
+    results = {}
+    for name, crash in (("clean", None), ("crashed", "after:topics/ORDER")):
+        cfg = load_config(env={}, **s3.config())
+        wh = use(Storage.from_config(cfg)).warehouse
+        topics = ["ORDER", "ORDER", "PAY"]
+        rows = [fx.half(i, store_ms=T - 100_000, topic=t) for i, t in enumerate(topics)]
+        fx.write_halves(wh, *rows)
+        fx.write_ops(wh, *[fx.op(r, op_offset=100 + i) for i, r in enumerate(rows)])
+        if crash:
+            monkeypatch.setenv("TXN_FAULT_AT", crash)
+            with pytest.raises(InjectedFault):
+                reconcile(spark, cfg, now_ms=T)
+            monkeypatch.delenv("TXN_FAULT_AT")
+            assert recover(spark, cfg, clock=lambda: time.time() + 3600).committed == 3
+        else:
+            assert reconcile(spark, cfg, now_ms=T).delivered_by_topic == {"ORDER": 2, "PAY": 1}
+        results[name] = _outputs(wh)
+        pay = topic_path(wh, "PAY")
+        files = pa.table(
+            DeltaTable(pay, storage_options=options_for(pay)).get_add_actions(flatten=False)
+        )["path"].to_pylist()
+        assert files and all(f.startswith(commits.S3_STAGING_PREFIX) for f in files)
+        assert sorted(r["half_offset"] for r in _rows(topic_path(wh, "ORDER"))) == [0, 1]
+    assert results["crashed"] == results["clean"]
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import time
 import pytest
 from deltalake import DeltaTable
 
-from jobs import faults
+from jobs import driver_writes, faults
 from jobs.faults import FAULT_EXIT_CODE, InjectedFault
 from jobs.lease import LeaseHeld
 from jobs.reconcile import reconcile, recover
@@ -104,10 +104,20 @@ def _later() -> float:
     return time.time() + 3600  # the crashed run's lease (ttl 600 s) has expired
 
 
+@pytest.fixture(params=["collected", "spark"])
+def write_path(request, monkeypatch) -> str:
+    """How the run writes its (few) rows: collected by the driver, as a run
+    this small does, or by Spark, as a bigger one does (jobs.driver_writes)."""
+    if request.param == "spark":
+        monkeypatch.setattr(driver_writes, "NARROW_MAX_ROWS", -1)
+        monkeypatch.setattr(driver_writes, "MESSAGE_MAX_ROWS", -1)
+    return request.param
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("step", STEPS)
 def test_kill_at_step_then_rerun_gives_the_uninterrupted_tables(
-    spark, base, baseline, step, tmp_path, monkeypatch
+    spark, base, baseline, step, write_path, tmp_path, monkeypatch
 ):
     clean_tables, clean_summary = baseline
     wh = _copy(base, tmp_path)

@@ -1,0 +1,114 @@
+"""A run's small writes collected by the driver and committed by delta-rs
+(jobs.driver_writes): the table reads the same through Delta (rows, change
+feed, statistics that skip files), the commit is tagged with its run, NOT
+NULL holds, and only writes that fit in the driver take this path."""
+
+from __future__ import annotations
+
+import pytest
+from deltalake import DeltaTable
+from pyspark.sql import functions as F
+
+from jobs import driver_writes, job_tables, tagged_writes
+from jobs.writes import RunWrites
+from schemas import TOPIC
+from schemas.spark import spark_schema
+
+
+def _topic_rows(spark, offsets):
+    rows = [
+        (0, o, f"m{o}", f"t{o}", 1000 + o, "pg", None, "k", b"body", {"p": "v"}, 1, 2, 3, "r")
+        for o in offsets
+    ]
+    return spark.createDataFrame(rows, spark_schema(TOPIC))
+
+
+def _engine(path: str) -> str:
+    return DeltaTable(path).history(1)[0].get("engineInfo", "")
+
+
+def test_a_collected_append_reads_as_delta_with_statistics_that_skip_files(spark, warehouse):
+    path = job_tables.ensure_topic_table(warehouse, "ORDER")
+    assert tagged_writes.write_for_run(
+        _topic_rows(spark, range(10, 20)), path, 7, "topics/ORDER", collect=True
+    )
+
+    assert _engine(path).startswith("delta-rs")  # the driver's commit, not Spark's
+    got = spark.read.format("delta").load(path)
+    assert sorted(r.queue_offset for r in got.collect()) == list(range(10, 20))
+    row = got.where("queue_offset = 10").first()
+    assert (row.body, row.properties, row.tags) == (b"body", {"p": "v"}, None)
+    assert tagged_writes.committed_by_run(path, 7, "topics/ORDER")
+    # the statistics skip files: a seek past the last offset reads no file
+    seek = got.where("queue_offset > 100")
+    assert seek.count() == 0
+    assert seek.inputFiles() == []
+
+
+def test_a_collected_overwrite_replaces_the_rows_and_the_change_feed_shows_both(spark, warehouse):
+    path = job_tables.ensure_topic_table(warehouse, "ORDER")
+    tagged_writes.write_for_run(_topic_rows(spark, [1, 2]), path, 1, "topics/ORDER", collect=True)
+    tagged_writes.write_for_run(
+        _topic_rows(spark, [3]), path, 2, "topics/ORDER", mode="overwrite", collect=True
+    )
+    assert [r.queue_offset for r in spark.read.format("delta").load(path).collect()] == [3]
+    changes = (
+        spark.read.format("delta")
+        .option("readChangeFeed", "true")
+        .option("startingVersion", 2)
+        .load(path)
+    )
+    assert sorted((r._change_type, r.queue_offset) for r in changes.collect()) == [
+        ("delete", 1),
+        ("delete", 2),
+        ("insert", 3),
+    ]
+    tagged_writes.write_for_run(
+        _topic_rows(spark, []), path, 3, "topics/ORDER", mode="overwrite", collect=True
+    )
+    assert spark.read.format("delta").load(path).count() == 0
+
+
+def test_a_null_in_a_not_null_column_fails_and_commits_nothing(spark, warehouse):
+    path = job_tables.ensure_topic_table(warehouse, "ORDER")
+    before = DeltaTable(path).version()
+    bad = _topic_rows(spark, [1]).withColumn("msg_id", F.lit(None).cast("string"))
+    with pytest.raises(ValueError, match="NOT NULL constraint violated for column msg_id"):
+        tagged_writes.write_for_run(bad, path, 1, "topics/ORDER", collect=True)
+    assert DeltaTable(path).version() == before
+
+
+def test_the_rows_of_several_tables_are_collected_once_and_committed_to_each(spark, warehouse):
+    paths = {t: job_tables.ensure_topic_table(warehouse, t) for t in ("ORDER", "PAY")}
+    rows = (
+        _topic_rows(spark, [1, 2])
+        .withColumn("topic", F.lit("ORDER"))
+        .unionByName(_topic_rows(spark, [7]).withColumn("topic", F.lit("PAY")))
+    )
+    tables = tagged_writes.split_tables(rows, "topic", paths, collected=True)
+    by_topic = driver_writes.split(driver_writes.collect(rows), "topic", sorted(tables))
+    for topic, table in tables.items():
+        driver_writes.write(by_topic[topic], table, "append", tagged_writes.run_tag(3, topic))
+    read = {
+        t: sorted(r.queue_offset for r in spark.read.format("delta").load(p).collect())
+        for t, p in paths.items()
+    }
+    assert read == {"ORDER": [1, 2], "PAY": [7]}
+
+
+def test_only_writes_that_fit_in_the_driver_are_collected():
+    narrow, message = ["half_offset", "action"], ["half_offset", "body"]
+    assert driver_writes.fits(driver_writes.NARROW_MAX_ROWS, narrow, 4 << 20)
+    assert not driver_writes.fits(driver_writes.NARROW_MAX_ROWS + 1, narrow, 4 << 20)
+    # rows with bodies: as many as bodies of the largest size allowed fit in the budget
+    per_budget = driver_writes.BODY_BYTES_MAX // (4 << 20)
+    assert driver_writes.fits(per_budget, message, 4 << 20)
+    assert not driver_writes.fits(per_budget + 1, message, 4 << 20)
+    assert driver_writes.fits(driver_writes.MESSAGE_MAX_ROWS, message, 1024)
+    assert not driver_writes.fits(driver_writes.MESSAGE_MAX_ROWS + 1, message, 1024)
+    writes = RunWrites(1, lease=None, redo=False, max_body_bytes=4 << 20)
+    try:
+        assert not writes.collects(None, narrow)  # unknown count: Spark writes it
+        assert writes.collects(10, message)
+    finally:
+        writes.close()
