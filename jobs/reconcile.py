@@ -2,8 +2,10 @@
 `spark-submit jobs/reconcile.py`; and its library entry points.
 
     spark-submit jobs/reconcile.py run --conf conf/reconcile.toml [--now-ms N] [--dry-run]
+    txn-reconcile run --every 2s [--max-runs N]     # back to back in one session
     python -m jobs status|verify|resolve ...
     from jobs.reconcile import reconcile; reconcile(spark, config, now_ms=None)
+    from jobs.reconcile import reconcile_forever; reconcile_forever(spark, config, every_s=2)
 
 Exit codes: 0 done, 1 failed (the reason on stderr), 2 bad configuration or
 store, 75 another run holds the lease. `--dry-run` computes the run that
@@ -16,12 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file by spark-submit: make `jobs`, `schemas`, … importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from jobs.continuous import parse_every, reconcile_forever
 from jobs.faults import InjectedFault
 from jobs.lease import EXIT_LEASE_HELD, Lease, LeaseHeld
 from jobs.run import RunSummary, idle_ahead, reconcile, recover
@@ -29,7 +34,16 @@ from jobs.session import print_error, use_warehouse
 from txn_core.config import Config, ConfigError, load_config
 from txn_core.vocabulary import Action, Source
 
-__all__ = ["RunSummary", "build_parser", "cli", "idle_ahead", "main", "reconcile", "recover"]
+__all__ = [
+    "RunSummary",
+    "build_parser",
+    "cli",
+    "idle_ahead",
+    "main",
+    "reconcile",
+    "reconcile_forever",
+    "recover",
+]
 
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -94,6 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="compute and print the summary; write nothing, take no lease",
     )
+    run.add_argument(
+        "--every",
+        metavar="DURATION",
+        help="run back to back in one Spark session, one run starting every DURATION "
+        "(500ms, 2s, 1m; at once when a run took longer), printing each summary, until "
+        "SIGTERM or SIGINT, which let the run under way finish (docs/operating.md, "
+        '"The continuous job")',
+    )
+    run.add_argument("--max-runs", type=int, metavar="N", help="with --every: stop after N runs")
     status = sub.add_parser("status", parents=[common], help="report the pending set")
     status.add_argument("--now-ms", type=int, help="the clock for pending ages (ms)")
     sub.add_parser(
@@ -143,6 +166,8 @@ def _spark(*, short_lived: bool = False):
 def _cmd_run(args, cfg: Config) -> int:
     if args.now_ms is not None and args.now_ms < 0:
         raise ConfigError(f"--now-ms must be a non-negative integer; got {args.now_ms}")
+    if args.every is not None or args.max_runs is not None:
+        return _run_continuously(args, cfg)
     # The lease comes before Spark starts, so an overlapping run exits 75 in a second.
     lease = None if args.dry_run else Lease(cfg.warehouse, cfg.lease_ttl_s).acquire()
     crashed = False
@@ -158,6 +183,39 @@ def _cmd_run(args, cfg: Config) -> int:
         if lease is not None and not crashed:
             lease.release()
     print(summary.to_json(), flush=True)
+    return EXIT_OK
+
+
+def _run_continuously(args, cfg: Config) -> int:
+    """`run --every`: `reconcile_forever` until SIGTERM/SIGINT or --max-runs."""
+    if args.every is None:
+        raise ConfigError("--max-runs needs --every")
+    if args.dry_run or args.now_ms is not None:
+        raise ConfigError("--every runs on the wall clock and writes: no --dry-run or --now-ms")
+    if args.max_runs is not None and args.max_runs < 1:
+        raise ConfigError(f"--max-runs must be a positive integer; got {args.max_runs}")
+    every_s = parse_every(args.every)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    lease = Lease(cfg.warehouse, cfg.lease_ttl_s).acquire()  # before Spark: exit 75 at once
+    crashed = False
+    try:
+        reconcile_forever(
+            _spark(),
+            cfg,
+            every_s,
+            stop=stop,
+            on_run=lambda summary: print(summary.to_json(), flush=True),
+            max_runs=args.max_runs,
+            lease=lease,
+        )
+    except InjectedFault:
+        crashed = True
+        raise
+    finally:
+        if not crashed:
+            lease.release()
     return EXIT_OK
 
 
