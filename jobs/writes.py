@@ -71,7 +71,7 @@ def start_deliveries(wh: str, delivered, topics: dict[str, int], writes: RunWrit
     tables of `topics` (rows by topic): few rows, collected by the driver
     once and committed to each table (`_put_collected_deliveries`); else in
     one Spark job when `jobs.commits` can write them all (`_put_deliveries`);
-    else by Delta's writer, one write per topic (`_put_each_topic`)."""
+    else one write per topic (`_put_each_topic`)."""
     paths = {
         topic: job_tables.ensure_topic_table(wh, topic)  # creating one is a commit too
         for topic in topics
@@ -130,10 +130,12 @@ def _put_collected_deliveries(
 
 
 def _put_each_topic(delivered, paths: dict, run_number: int, lease: Lease, redo: bool) -> None:
-    """Each topic's rows of `delivered` appended to its table (`paths`) by
-    Delta's writer, all topics at once: for more than one, the rows are
-    computed once and kept (`jobs.held`), where each write would otherwise
-    compute all of them (the messages' bodies read and joined) to keep its own."""
+    """Each topic's rows of `delivered` appended to its table (`paths`), one
+    write each (`tagged_writes.write_for_run`: on S3, Spark's files committed
+    by delta-rs; on other stores, Delta's writer), all topics at once. For
+    more than one, the rows are computed once and kept (`jobs.held`), where
+    each write would otherwise compute all of them (the messages' bodies
+    read and joined) to keep its own."""
     todo = _topics_to_write(paths, run_number, redo)
     if not todo:
         return

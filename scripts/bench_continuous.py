@@ -1,0 +1,100 @@
+"""Benchmark of the continuous job (a script printing figures, not a test).
+
+One warm SparkSession runs `reconcile_forever` at a cadence on a local
+warehouse. After every other run, N new messages arrive (written with
+delta-rs in one batch, every one committed), so the runs alternate between
+a run over N new messages and an idle one. Printed: each run's wall time
+(the `reconcile` call, lease renewal and run records included), and the
+medians of both kinds after the first `--warm-up` runs (the JVM compiles
+Spark's hot code during the first runs of a session).
+
+    python scripts/bench_continuous.py --new 1000 --runs 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+import time
+from statistics import median
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_reconcile import fill
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--new", type=int, default=1000, help="N, new messages before every other run")
+    p.add_argument("--runs", type=int, default=24, help="runs in all")
+    p.add_argument("--warm-up", type=int, default=8, help="first runs left out of the medians")
+    p.add_argument("--every", type=float, default=0.2, help="the cadence, seconds")
+    p.add_argument("--body-bytes", type=int, default=100)
+    args = p.parse_args(argv)
+
+    import jobs.continuous as continuous
+    from jobs.session import build_spark
+
+    spark = build_spark("bench-continuous")
+    warehouse = tempfile.mkdtemp(prefix="bench-continuous-")
+    fill(warehouse, 0, 1_000, args.body_bytes, _now() - 60_000, leave_pending=False)
+    walls: list[float] = []
+    runs: list[tuple] = []
+    stop = threading.Event()
+    next_offset = [1_000]
+    timed_run = continuous.reconcile
+
+    def reconcile(*a, **k):
+        started = time.perf_counter()
+        summary = timed_run(*a, **k)
+        walls.append(time.perf_counter() - started)
+        return summary
+
+    def on_run(summary) -> None:
+        runs.append((summary.run_number, summary.half_read, summary.idle, walls[-1]))
+        if len(runs) % 2 == 1:
+            fill(
+                warehouse,
+                next_offset[0],
+                args.new,
+                args.body_bytes,
+                _now() - 60_000,
+                leave_pending=False,
+            )
+            next_offset[0] += args.new
+        if len(runs) >= args.runs:
+            stop.set()
+
+    continuous.reconcile = reconcile  # the loop's own calls, timed
+    try:
+        continuous.reconcile_forever(
+            spark, {"warehouse": warehouse}, args.every, stop=stop, on_run=on_run
+        )
+    finally:
+        continuous.reconcile = timed_run
+        spark.stop()
+    for number, read, idle, wall in runs:
+        kind = "idle" if idle else f"{read:,} new half rows"
+        print(f"run {number:3d}: {wall * 1000:7.0f} ms  {kind}")
+    measured = runs[args.warm_up :]
+    busy = [w for _, _, idle, w in measured if not idle]
+    idle = [w for _, _, i, w in measured if i]
+    print(
+        f"cores = {os.cpu_count()}, cadence {args.every} s, {args.new:,} new messages before every "
+        f"other run, medians after the first {args.warm_up} runs:"
+    )
+    if busy:
+        print(f"run over {args.new:,} new messages: {median(busy) * 1000:7.0f} ms")
+    if idle:
+        print(f"idle run                    : {median(idle) * 1000:7.0f} ms")
+
+
+def _now() -> int:
+    return int(time.time() * 1000)
+
+
+if __name__ == "__main__":
+    main()
