@@ -288,6 +288,39 @@ LEASE = TableSchema(
     writer="broker",
 )
 
+# --- consumer groups (txn_core.consumer_group), written through delta-rs ------
+
+# Appended by every commit of a consumer group; per (group, topic, queue_id)
+# the row with the highest committed_ms wins, ties going to the highest
+# next_offset (docs/protocol.md §3.2, "Consumer groups").
+CONSUMER_OFFSETS = TableSchema(
+    "_sys/consumer_offsets",
+    _cols(
+        ("group", "string", False),
+        ("topic", "string", False),
+        ("queue_id", "int", False),
+        ("next_offset", "bigint", False),
+        ("member", "string", False),
+        ("committed_ms", "bigint", False),
+    ),
+    writer="broker",  # the broker core's delta-rs, in the consumer's process
+)
+
+# One table per consumer group (`dlq_path`): the messages its listener gave up
+# on, each as delivered (its topic and TOPIC columns) and why.
+DLQ = TableSchema(
+    "_sys/dlq/<group>",
+    _cols(("topic", "string", False))
+    + TOPIC.columns
+    + _cols(
+        ("group", "string", False),
+        ("reconsume_times", "int", False),
+        ("reason", "string", False),
+        ("dead_ms", "bigint", False),
+    ),
+    writer="broker",  # the broker core's delta-rs, in the consumer's process
+)
+
 ALL_TABLES = (
     HALF,
     OP,
@@ -302,6 +335,8 @@ ALL_TABLES = (
     QUEUES,
     REJECTED,
     LEASE,
+    CONSUMER_OFFSETS,
+    DLQ,
 )
 
 
@@ -312,3 +347,8 @@ def table_path(warehouse: str, table: TableSchema) -> str:
 
 def topic_path(warehouse: str, topic: str) -> str:
     return warehouse.rstrip("/") + "/topics/" + topic
+
+
+def dlq_path(warehouse: str, group: str) -> str:
+    """The dead-letter table of consumer group `group`: `<warehouse>/_sys/dlq/<group>`."""
+    return warehouse.rstrip("/") + "/_sys/dlq/" + group

@@ -13,6 +13,7 @@ import re
 __all__ = [
     "Action",
     "CheckAnswer",
+    "ConsumeResult",
     "Decision",
     "OpOutcome",
     "RunStatus",
@@ -77,6 +78,21 @@ class RunStatus(enum.StrEnum):
 
     STARTED = "STARTED"
     COMMITTED = "COMMITTED"
+
+
+class ConsumeResult(enum.StrEnum):
+    """What a push consumer's listener says of a message: done, or deliver
+    it again later (RocketMQ's ConsumeConcurrentlyStatus).
+
+    >>> ConsumeResult.SUCCESS == "CONSUME_SUCCESS"
+    True
+    """
+
+    SUCCESS = "CONSUME_SUCCESS"
+    RECONSUME_LATER = "RECONSUME_LATER"
+
+    # RocketMQ's Java spelling, for code ported from it.
+    CONSUME_SUCCESS = "CONSUME_SUCCESS"
 
 
 #: RocketMQ's topic rule (TopicValidator): 1..127 of [A-Za-z0-9_%|-]

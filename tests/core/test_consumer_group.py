@@ -1,0 +1,422 @@
+"""Consumer groups (txn_core.consumer_group): pull and push consumers, their
+committed offsets, retries and dead letters. Topic rows are written directly
+with delta-rs: no Spark."""
+
+from __future__ import annotations
+
+import threading
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable, write_deltalake
+
+from schemas import CONSUMER_OFFSETS, TOPIC, dlq_path, table_path, topic_path
+from schemas.arrow import arrow_schema
+from txn_core import (
+    ConfigError,
+    ConsumedMessage,
+    Consumer,
+    ConsumerClosedError,
+    ConsumeResult,
+    CorruptOffsetError,
+    PushConsumer,
+)
+from txn_core.consumer_group import retry_delay_s
+
+GROUP = "billing"
+
+
+class Clock:
+    """A clock the test moves by hand (seconds)."""
+
+    def __init__(self, now: float = 1_000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def topic_row(queue_id: int, queue_offset: int) -> dict:
+    n = f"{queue_id}-{queue_offset}"
+    return {
+        "queue_id": queue_id,
+        "queue_offset": queue_offset,
+        "msg_id": f"msg-{n}",
+        "transaction_id": f"tx-{n}",
+        "half_offset": queue_id * 1000 + queue_offset,
+        "producer_group": "order_group",
+        "tags": "created",
+        "keys": f"order-{n}",
+        "body": f"body-{n}".encode(),
+        "properties": [("n", n)],
+        "born_ms": 10,
+        "commit_ms": 20,
+        "delivered_ms": 30,
+        "run_id": "run-1",
+    }
+
+
+def deliver(warehouse: str, topic: str = "ORDER", **offsets_by_queue: range) -> None:
+    """One commit of topic rows: `q0=range(0, 3)` delivers offsets 0..2 of queue 0."""
+    rows = [
+        topic_row(int(name[1:]), offset)
+        for name, offsets in offsets_by_queue.items()
+        for offset in offsets
+    ]
+    write_deltalake(
+        topic_path(warehouse, topic),
+        pa.Table.from_pylist(rows, schema=arrow_schema(TOPIC)),
+        mode="append",
+    )
+
+
+def offsets(messages: list[ConsumedMessage]) -> list[tuple[int, int]]:
+    return [(m.queue_id, m.queue_offset) for m in messages]
+
+
+def dead_letters(warehouse: str, group: str = GROUP) -> list[dict]:
+    rows = DeltaTable(dlq_path(warehouse, group)).to_pyarrow_table().to_pylist()
+    return sorted(rows, key=lambda r: (r["queue_id"], r["queue_offset"]))
+
+
+# --- pull consumer ---------------------------------------------------------------
+
+
+def test_poll_hands_out_messages_in_queue_order_and_continues_after_them(warehouse):
+    deliver(warehouse, q0=range(3), q1=range(2))
+    consumer = Consumer(warehouse, GROUP, "ORDER")
+
+    first = consumer.poll(3)
+    # the queues take turns, each in offset order; the turn goes on in the next poll
+    assert offsets(first) == [(0, 0), (1, 0), (0, 1)]
+    assert offsets(consumer.poll(10)) == [(1, 1), (0, 2)]
+    assert consumer.poll() == []
+
+    m = first[0]
+    assert (m.topic, m.msg_id, m.transaction_id, m.keys, m.tags) == (
+        "ORDER",
+        "msg-0-0",
+        "tx-0-0",
+        "order-0-0",
+        "created",
+    )
+    assert (m.body, m.properties, m.born_ms, m.commit_ms, m.reconsume_times) == (
+        b"body-0-0",
+        {"n": "0-0"},
+        10,
+        20,
+        0,
+    )
+
+    deliver(warehouse, q0=range(3, 5), q2=range(1))
+    assert offsets(consumer.poll()) == [(2, 0), (0, 3), (0, 4)]
+
+
+def test_a_new_consumer_of_the_group_resumes_at_the_commit(warehouse):
+    deliver(warehouse, q0=range(4), q1=range(2))
+    consumer = Consumer(warehouse, GROUP, "ORDER", clock=Clock())
+    consumer.poll(3)
+    assert consumer.commit() == {0: 2, 1: 1}
+    assert consumer.commit() == {}  # nothing new: no row
+    consumer.close()
+
+    again = Consumer(warehouse, GROUP, "ORDER")
+    assert again.committed() == {0: 2, 1: 1}
+    assert offsets(again.poll()) == [(0, 2), (1, 1), (0, 3)]
+    rows = DeltaTable(table_path(warehouse, CONSUMER_OFFSETS)).to_pyarrow_table().to_pylist()
+    assert sorted((r["queue_id"], r["next_offset"], r["committed_ms"]) for r in rows) == [
+        (0, 2, 1_000_000),
+        (1, 1, 1_000_000),
+    ]
+    assert {r["group"] for r in rows} == {GROUP} and {r["topic"] for r in rows} == {"ORDER"}
+
+
+def test_polled_but_uncommitted_messages_are_delivered_again_after_a_restart(warehouse):
+    deliver(warehouse, q0=range(5))
+    consumer = Consumer(warehouse, GROUP, "ORDER")
+    consumer.poll(2)
+    consumer.commit()
+    assert offsets(consumer.poll(2)) == [(0, 2), (0, 3)]
+    consumer.close()  # crashed before committing 2 and 3
+
+    assert offsets(Consumer(warehouse, GROUP, "ORDER").poll()) == [(0, 2), (0, 3), (0, 4)]
+
+
+def test_two_groups_keep_independent_offsets(warehouse):
+    deliver(warehouse, q0=range(3))
+    billing = Consumer(warehouse, "billing", "ORDER")
+    billing.poll()
+    billing.commit()
+    shipping = Consumer(warehouse, "shipping", "ORDER")
+    assert offsets(shipping.poll(1)) == [(0, 0)]
+    shipping.commit()
+
+    assert Consumer(warehouse, "billing", "ORDER").committed() == {0: 3}
+    assert Consumer(warehouse, "shipping", "ORDER").committed() == {0: 1}
+
+
+def test_commit_moves_offsets_forward_only_and_the_newest_row_wins(warehouse):
+    deliver(warehouse, q0=range(5))
+    clock = Clock()
+    consumer = Consumer(warehouse, GROUP, "ORDER", clock=clock)
+    consumer.poll(4)
+    consumer.commit()
+    consumer.seek(0, 1)  # back: redelivered here, but the commit stays at 4
+    assert offsets(consumer.poll(1)) == [(0, 1)]
+    assert consumer.commit() == {}
+    assert Consumer(warehouse, GROUP, "ORDER").committed() == {0: 4}
+
+    # another member committed later: its row wins (committed_ms, then next_offset)
+    clock.advance(1)
+    other = Consumer(warehouse, GROUP, "ORDER", clock=clock)
+    other.seek(0, 5)
+    other.commit()
+    assert Consumer(warehouse, GROUP, "ORDER").committed() == {0: 5}
+
+
+def test_poll_on_a_topic_without_a_table_returns_nothing(warehouse):
+    consumer = Consumer(warehouse, GROUP, "NOTHING_YET")
+    assert consumer.poll() == []
+    assert consumer.commit() == {}
+    deliver(warehouse, "NOTHING_YET", q0=range(1))
+    assert offsets(consumer.poll()) == [(0, 0)]
+
+
+def test_a_closed_consumer_refuses_to_poll(warehouse):
+    consumer = Consumer(warehouse, GROUP, "ORDER")
+    consumer.close()
+    with pytest.raises(ConsumerClosedError, match="billing"):
+        consumer.poll()
+
+
+@pytest.mark.parametrize(
+    "group", ["", "a/b", "..", "a..b", ".", "with space", "x" * 256, "tab\t", "semi;colon", None, 7]
+)
+def test_bad_group_names_are_refused(warehouse, group):
+    with pytest.raises(ConfigError, match="consumer group"):
+        Consumer(warehouse, group, "ORDER")
+
+
+def test_good_group_names_are_accepted(warehouse):
+    for group in ("billing", "Billing-2", "billing.v2", "a_b", "x" * 255):
+        assert Consumer(warehouse, group, "ORDER").group == group
+
+
+@pytest.mark.parametrize(
+    "kwargs, problem",
+    [
+        ({"max_reconsume_times": 0}, "max_reconsume_times must be positive"),
+        ({"max_reconsume_times": "3"}, "max_reconsume_times must be an integer"),
+        ({"batch": -1}, "batch must be positive"),
+    ],
+)
+def test_bad_push_settings_are_refused(warehouse, kwargs, problem):
+    with pytest.raises(ConfigError, match=problem):
+        PushConsumer(warehouse, GROUP, "ORDER", lambda m: ConsumeResult.SUCCESS, **kwargs)
+
+
+def test_bad_poll_and_seek_arguments_are_refused(warehouse):
+    consumer = Consumer(warehouse, GROUP, "ORDER")
+    with pytest.raises(ConfigError, match="max_messages must be positive"):
+        consumer.poll(0)
+    with pytest.raises(ConfigError, match="offset must not be negative"):
+        consumer.seek(0, -1)
+    with pytest.raises(ConfigError, match="topic"):
+        Consumer(warehouse, GROUP, "bad/topic")
+
+
+@pytest.mark.parametrize("next_offset", [None, -3])
+def test_a_corrupt_offsets_row_names_group_topic_and_queue(warehouse, next_offset):
+    # written with a schema that lets a null in, as a foreign writer might
+    schema = pa.schema([f.with_nullable(True) for f in arrow_schema(CONSUMER_OFFSETS)])
+    row = {
+        "group": GROUP,
+        "topic": "ORDER",
+        "queue_id": 3,
+        "next_offset": next_offset,
+        "member": "m",
+        "committed_ms": 1,
+    }
+    path = table_path(warehouse, CONSUMER_OFFSETS)
+    write_deltalake(path, pa.Table.from_pylist([row], schema=schema), mode="append")
+
+    with pytest.raises(CorruptOffsetError, match=r"group 'billing', topic 'ORDER', queue 3"):
+        Consumer(warehouse, GROUP, "ORDER")
+    assert DeltaTable(path).to_pyarrow_table().num_rows == 1  # nothing deleted
+    Consumer(warehouse, "shipping", "ORDER")  # other groups are not concerned
+
+
+# --- push consumer ---------------------------------------------------------------
+
+
+class Listener:
+    """Answers per message from `answers` ({(queue, offset): [result, …]}),
+    SUCCESS when none is left; records every call."""
+
+    def __init__(self, answers: dict | None = None):
+        self.answers = {k: list(v) for k, v in (answers or {}).items()}
+        self.calls: list[tuple[int, int, int]] = []
+
+    def __call__(self, message: ConsumedMessage):
+        key = (message.queue_id, message.queue_offset)
+        self.calls.append((*key, message.reconsume_times))
+        queued = self.answers.get(key)
+        answer = queued.pop(0) if queued else ConsumeResult.SUCCESS
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def test_push_success_moves_the_group_on(warehouse):
+    deliver(warehouse, q0=range(3), q1=range(1))
+    listener = Listener()
+    push = PushConsumer(warehouse, GROUP, "ORDER", listener, batch=10)
+    assert push.consume_once() == 4
+    assert sorted(listener.calls) == [(0, 0, 0), (0, 1, 0), (0, 2, 0), (1, 0, 0)]
+    assert push.consume_once() == 0
+    assert Consumer(warehouse, GROUP, "ORDER").committed() == {0: 3, 1: 1}
+
+
+def test_reconsume_later_is_retried_when_due_and_holds_back_its_queue_only(warehouse):
+    deliver(warehouse, q0=range(3), q1=range(2))
+    clock = Clock()
+    later = ConsumeResult.RECONSUME_LATER
+    listener = Listener({(0, 1): [later, later]})
+    push = PushConsumer(warehouse, GROUP, "ORDER", listener, clock=clock)
+
+    assert push.consume_once() == 4  # 0/0, 0/1 (fails), 1/0, 1/1
+    assert (0, 2, 0) not in listener.calls  # waits behind 0/1
+    assert push.consumer.committed() == {0: 1, 1: 2}
+
+    clock.advance(retry_delay_s(1) - 0.001)
+    assert push.consume_once() == 0  # not due yet
+    deliver(warehouse, q1=range(2, 3))
+    assert push.consume_once() == 1  # queue 1 goes on meanwhile
+    assert listener.calls[-1] == (1, 2, 0)
+
+    clock.advance(0.001)
+    assert push.consume_once() == 1  # the first retry, failing again
+    assert listener.calls[-1] == (0, 1, 1)
+    clock.advance(retry_delay_s(2) - 1)
+    assert push.consume_once() == 0  # the second retry waits level 2 (5 s)
+    clock.advance(1)
+    assert push.consume_once() == 2  # succeeds, then 0/2 follows
+    assert listener.calls[-2:] == [(0, 1, 2), (0, 2, 0)]
+    assert push.consumer.committed() == {0: 3, 1: 3}
+
+
+def test_a_listener_that_raises_is_a_reconsume_with_its_reason(warehouse):
+    deliver(warehouse, q0=range(2))
+    clock = Clock()
+    listener = Listener({(0, 0): [ValueError("no such account")] * 5})
+    push = PushConsumer(warehouse, GROUP, "ORDER", listener, max_reconsume_times=1, clock=clock)
+    push.consume_once()
+    clock.advance(retry_delay_s(1))
+    push.consume_once()
+
+    (dead,) = dead_letters(warehouse)
+    assert dead["reason"] == "ValueError: no such account"
+    assert listener.calls == [(0, 0, 0), (0, 0, 1), (0, 1, 0)]
+
+
+def test_after_max_reconsume_times_the_message_is_dead_lettered_and_the_group_goes_on(warehouse):
+    deliver(warehouse, q0=range(3))
+    clock = Clock(2_000.0)
+    listener = Listener({(0, 1): [ConsumeResult.RECONSUME_LATER] * 10, (0, 2): [None]})
+    push = PushConsumer(warehouse, GROUP, "ORDER", listener, max_reconsume_times=3, clock=clock)
+    push.consume_once()
+    for retry in (1, 2, 3):
+        clock.advance(retry_delay_s(retry))
+        assert push.consume_once() == (1 if retry < 3 else 2)
+    # delivered 1 + max_reconsume_times times, then dead-lettered; 0/2 then
+    # returned None (a reconsume as well) and waits for its own retry
+    assert [c for c in listener.calls if c[:2] == (0, 1)] == [
+        (0, 1, 0),
+        (0, 1, 1),
+        (0, 1, 2),
+        (0, 1, 3),
+    ]
+    (dead,) = dead_letters(warehouse)
+    assert (dead["topic"], dead["queue_id"], dead["queue_offset"], dead["group"]) == (
+        "ORDER",
+        0,
+        1,
+        GROUP,
+    )
+    assert dead["reconsume_times"] == 3
+    assert dead["reason"] == "RECONSUME_LATER"
+    assert dead["dead_ms"] == int(clock.now * 1000)
+    assert (dead["msg_id"], dead["body"], dead["properties"]) == (
+        "msg-0-1",
+        b"body-0-1",
+        [("n", "0-1")],
+    )
+    assert push.consumer.committed() == {0: 2}  # past the dead letter, before 0/2
+
+    clock.advance(retry_delay_s(1))
+    assert push.consume_once() == 1
+    assert listener.calls[-1] == (0, 2, 1)
+    assert push.consumer.committed() == {0: 3}
+    assert len(dead_letters(warehouse)) == 1
+
+
+def test_a_failed_dead_letter_write_keeps_the_offset_and_is_written_next_round(warehouse):
+    deliver(warehouse, q0=range(2))
+    clock = Clock()
+    listener = Listener({(0, 0): [ConsumeResult.RECONSUME_LATER] * 5})
+    push = PushConsumer(warehouse, GROUP, "ORDER", listener, max_reconsume_times=1, clock=clock)
+    push.consume_once()
+    clock.advance(retry_delay_s(1))
+    real = push._dead_letter
+
+    def failing(*args):
+        raise OSError("store unreachable")
+
+    push._dead_letter = failing
+    with pytest.raises(OSError, match="store unreachable"):
+        push.consume_once()
+    assert push.consumer.committed() == {}  # not past the message whose DLQ write failed
+
+    push._dead_letter = real
+    push.consume_once()  # writes the dead letter without calling the listener again
+    assert [c for c in listener.calls if c[:2] == (0, 0)] == [(0, 0, 0), (0, 0, 1)]
+    assert [(d["queue_offset"], d["reconsume_times"]) for d in dead_letters(warehouse)] == [(0, 1)]
+    assert push.consumer.committed() == {0: 2}
+
+
+def test_a_restarted_push_consumer_retries_from_the_committed_offset_with_fresh_counts(warehouse):
+    deliver(warehouse, q0=range(2))
+    clock = Clock()
+    listener = Listener({(0, 0): [ConsumeResult.RECONSUME_LATER] * 2})
+    PushConsumer(warehouse, GROUP, "ORDER", listener, clock=clock).consume_once()
+    restarted = PushConsumer(warehouse, GROUP, "ORDER", listener, clock=clock)
+    restarted.consume_once()  # at once: the retry's wait was in memory
+    assert listener.calls == [(0, 0, 0), (0, 0, 0)]
+
+
+def test_start_and_shutdown_consume_in_the_background(warehouse):
+    deliver(warehouse, q0=range(2), q1=range(1))
+    seen: list[tuple[int, int]] = []
+    done = threading.Event()
+
+    def listener(message: ConsumedMessage) -> ConsumeResult:
+        seen.append((message.queue_id, message.queue_offset))
+        if len(seen) == 4:
+            done.set()
+        return ConsumeResult.SUCCESS
+
+    push = PushConsumer(warehouse, GROUP, "ORDER", listener, idle_wait_s=0.01)
+    push.start()
+    try:
+        deliver(warehouse, q1=range(1, 2))  # arrives while it runs
+        assert done.wait(timeout=30), f"only {seen} consumed"
+    finally:
+        push.shutdown()
+    assert sorted(seen) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert push.last_error is None
+    assert Consumer(warehouse, GROUP, "ORDER").committed() == {0: 2, 1: 2}
+    with pytest.raises(ConsumerClosedError):
+        push.consume_once()
