@@ -26,8 +26,16 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType
 
 from jobs.local import local_frame
 from schemas import TableSchema
+from schemas.arrow import arrow_schema
 from schemas.spark import spark_schema
-from txn_core.delta_log import LOG_DIR, entry_name, local_path, plain_reader, reader_duties
+from txn_core.delta_log import (
+    LOG_DIR,
+    entry_name,
+    local_path,
+    open_table,
+    plain_reader,
+    reader_duties,
+)
 from txn_core.storage import is_s3, options_for, storage_for
 
 _FILE_VERSIONS = StructType(
@@ -41,9 +49,9 @@ def log_entry(root: str, version: int) -> str:
     return os.path.join(root, LOG_DIR, entry_name(version))
 
 
-def appended_files(path: str, after: int, upto: int) -> list[tuple[int, str]] | None:
-    """(version, file path) of every data file the commits (after, upto]
-    added with dataChange=true, when each of those commits can be read as
+def appended_files(path: str, after: int, upto: int) -> list[tuple[int, str, int]] | None:
+    """(version, file path, size in bytes) of every data file the commits
+    (after, upto] added with dataChange=true, when each of those commits can be read as
     parquet (no DELETE's change files, deletion vector, partitions, column
     mapping or file added twice, as by a RESTORE) and the table is on a local
     disk or on S3 (its entries fetched with the warehouse's client, several
@@ -58,7 +66,7 @@ def appended_files(path: str, after: int, upto: int) -> list[tuple[int, str]] | 
     entries = _log_entries(path, range(after + 1, upto + 1))
     if entries is None:
         return None
-    files: list[tuple[int, str]] = []
+    files: list[tuple[int, str, int]] = []
     for version, actions in entries:
         for action in actions:
             if not _plain(action):
@@ -67,8 +75,8 @@ def appended_files(path: str, after: int, upto: int) -> list[tuple[int, str]] | 
             if add is not None and add.get("dataChange", True):
                 if "://" in add["path"]:
                     return None  # an absolute path (a shallow clone): the change feed
-                files.append((version, _join(path, unquote(add["path"]))))
-    names = [f.rsplit("/", 1)[-1] for _, f in files]
+                files.append((version, _join(path, unquote(add["path"])), int(add["size"])))
+    names = [f.rsplit("/", 1)[-1] for _, f, _ in files]
     if len(set(names)) != len(names):
         return None  # a file added twice, or two directories: leave it to the change feed
     return files
@@ -156,9 +164,7 @@ def snapshot_files(path: str, version: int) -> list[str] | None:
 
 
 def _rs_table(path: str, version: int):
-    from deltalake import DeltaTable as RsTable
-
-    return RsTable(path, version=version, storage_options=options_for(path))
+    return open_table(path, version=version, storage_options=options_for(path))
 
 
 def plain_table(table) -> bool:
@@ -167,15 +173,30 @@ def plain_table(table) -> bool:
     return reader_duties(table) is None
 
 
+#: appended files read by the driver (pyarrow) rather than by Spark's tasks,
+#: when there are more than this many and they are small in all
+#: (`DRIVER_READ_MAX_BYTES`): producers sending one message at a time commit
+#: a file per message, and Spark opens each file in turn (~5 ms apiece on 2
+#: cores) and lists them before the read
+DRIVER_READ_MIN_FILES = 64
+DRIVER_READ_MAX_BYTES = 64 * 1024 * 1024
+
+
 def read_appended(
-    spark: SparkSession, files: list[tuple[int, str]], table: TableSchema
+    spark: SparkSession, files: list[tuple[int, str, int]], table: TableSchema
 ) -> DataFrame:
     """The rows of `files` (`appended_files`, not empty) in `table`'s
-    columns, plus `commit_version`: the version that added each file."""
-    versions = local_frame(spark, [(os.path.basename(f), v) for v, f in files], _FILE_VERSIONS)
+    columns, plus `commit_version`: the version that added each file. Many
+    small files are read by the driver (`DRIVER_READ_MIN_FILES`), any others
+    by Spark."""
+    if len(files) > DRIVER_READ_MIN_FILES and sum(size for *_, size in files) <= (
+        DRIVER_READ_MAX_BYTES
+    ):
+        return _read_in_driver(spark, files, table)
+    versions = local_frame(spark, [(os.path.basename(f), v) for v, f, _ in files], _FILE_VERSIONS)
     rows = (
         spark.read.schema(spark_schema(table))
-        .parquet(*[f for _, f in files])
+        .parquet(*[f for _, f, _ in files])
         .withColumn("_file", F.col("_metadata.file_name"))
     )
     return (
@@ -183,3 +204,50 @@ def read_appended(
         .drop("_file")
         .select(*table.names, "commit_version")
     )
+
+
+def _read_in_driver(
+    spark: SparkSession, files: list[tuple[int, str, int]], table: TableSchema
+) -> DataFrame:
+    """`read_appended` by the driver: the files read with pyarrow, several at
+    a time (from S3 with the warehouse's client), handed to Spark as Arrow."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = arrow_schema(table)
+    read = _s3_reader(files[0][1]) if local_path(files[0][1]) is None else _local_reader
+
+    def rows(entry: tuple[int, str, int]) -> pa.Table:
+        version, path, _ = entry
+        got = pq.read_table(read(path), schema=schema).select(schema.names).cast(schema)
+        return got.append_column(
+            pa.field("commit_version", pa.int64(), False),
+            pa.array([version] * got.num_rows, pa.int64()),
+        )
+
+    with ThreadPoolExecutor(_PARALLEL_GETS) as pool:
+        table_rows = pa.concat_tables(list(pool.map(rows, files)))
+    return spark.createDataFrame(table_rows, schema=_with_commit_version(table))
+
+
+def _local_reader(path: str):
+    return local_path(path)
+
+
+def _s3_reader(any_path: str):
+    """A function fetching an S3 object of the warehouse of `any_path` whole."""
+    import pyarrow as pa
+
+    storage = storage_for(any_path)
+    client = storage.s3_client()
+
+    def read(path: str):
+        key = path.split("://", 1)[1].partition("/")[2]
+        body = client.get_object(Bucket=storage.bucket, Key=key)["Body"].read()
+        return pa.BufferReader(body)
+
+    return read
+
+
+def _with_commit_version(table: TableSchema) -> StructType:
+    return spark_schema(table).add("commit_version", LongType(), False)

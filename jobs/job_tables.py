@@ -109,11 +109,12 @@ def latest_version(path: str) -> int:
     first one of a process costs seconds of JVM warm-up — the most of an
     empty run's time once Spark is up.
     """
-    from deltalake import DeltaTable as RsTable
     from deltalake.exceptions import TableNotFoundError
 
-    try:
-        return RsTable(path, storage_options=options_for(path)).version()
+    from txn_core.delta_log import open_table
+
+    try:  # producers may be adding to the log meanwhile
+        return open_table(path, storage_options=options_for(path)).version()
     except TableNotFoundError:
         return NO_VERSION
 

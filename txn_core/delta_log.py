@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -48,6 +49,33 @@ _FIELD_DUTIES = (
 )
 _CHECKPOINT = re.compile(r"^(\d{20})\.checkpoint(\.\d{10}\.\d{10})?\.parquet$")
 _LOG_FILE = re.compile(r"^(\d{20})\.(json|crc|checkpoint(\.\d{10}\.\d{10})?\.parquet)$")
+
+
+#: what delta-rs says when it lists a log while another process adds entries
+#: to it: the directory listing missed an entry being created (a local
+#: directory's listing is in hash order); listed again, the entry is there
+TRANSIENT_LOG_ERROR = "Expected contiguous commit files"
+#: listings of a log `open_table` makes before it gives up
+OPEN_ATTEMPTS = 10
+
+
+def open_table(
+    uri: str, *, version: int | None = None, storage_options: dict[str, str] | None = None
+) -> Any:
+    """`deltalake.DeltaTable(uri, …)`, listed again (up to `OPEN_ATTEMPTS`
+    times) when a concurrent writer's entry was missed (`TRANSIENT_LOG_ERROR`):
+    for a reader of a table that producers write at the same time."""
+    from deltalake import DeltaTable
+    from deltalake.exceptions import DeltaError
+
+    for attempt in range(1, OPEN_ATTEMPTS + 1):
+        try:
+            return DeltaTable(uri, version=version, storage_options=storage_options)
+        except DeltaError as exc:
+            if TRANSIENT_LOG_ERROR not in str(exc) or attempt == OPEN_ATTEMPTS:
+                raise
+            time.sleep(0.005 * attempt)
+    raise AssertionError("unreachable")
 
 
 def entry_name(version: int) -> str:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from deltalake import CommitProperties, DeltaTable, WriterProperties
 from deltalake.exceptions import CommitFailedError
 
+from txn_core.delta_log import TRANSIENT_LOG_ERROR
 from txn_core.log_trim import trim_log
 
 log = logging.getLogger(__name__)
@@ -36,9 +37,6 @@ COMPACT_TARGET_BYTES = 16 << 20
 #: commits between two log clean-ups
 LOG_CLEANUP_EVERY = 100
 _COMMIT = CommitProperties(max_commit_retries=1000)
-#: what delta-rs says when it lists a log while other writers add to it:
-#: expected under load, and the next round reads it whole
-TRANSIENT_LOG_ERROR = "Expected contiguous commit files"
 
 
 class WriterUpkeep:

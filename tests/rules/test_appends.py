@@ -28,6 +28,26 @@ def _same_as_change_feed(spark, path: str, after: int, upto: int) -> None:
     assert _rows(got) == _rows(want)
 
 
+def test_many_small_appended_files_are_read_by_the_driver_like_the_change_feed(
+    spark, warehouse, monkeypatch
+):
+    """A file per message (one-at-a-time producers): the driver reads them."""
+    for i in range(5):
+        fx.write_halves(warehouse, fx.half(10 + i, properties={"n": str(i)}, tags=None))
+    path = table_path(warehouse, HALF)
+    upto = DeltaTable(path).version()
+    read_by = []
+    real = appends._read_in_driver
+    monkeypatch.setattr(appends, "_read_in_driver", lambda *a: read_by.append("driver") or real(*a))
+    monkeypatch.setattr(appends, "DRIVER_READ_MIN_FILES", 3)
+    _same_as_change_feed(spark, path, 0, upto)
+    _same_as_change_feed(spark, path, 1, upto)
+    assert read_by == ["driver", "driver"]
+    monkeypatch.setattr(appends, "DRIVER_READ_MAX_BYTES", 10)  # too big in all: Spark reads
+    _same_as_change_feed(spark, path, 0, upto)
+    assert read_by == ["driver", "driver"]
+
+
 def test_appends_and_a_compaction_are_read_as_parquet_like_the_change_feed(spark, warehouse):
     for i in range(3):
         fx.write_halves(warehouse, fx.half(2 * i), fx.half(2 * i + 1))
@@ -37,7 +57,7 @@ def test_appends_and_a_compaction_are_read_as_parquet_like_the_change_feed(spark
     upto = DeltaTable(path).version()
 
     files = appends.appended_files(path, 0, upto)
-    assert [v for v, _ in files] == [1, 2, 3, 5]  # version 0 creates the table, 4 compacts
+    assert [v for v, _, _ in files] == [1, 2, 3, 5]  # version 0 creates the table, 4 compacts
     assert appends.appended_files(path, 3, 4) == []
     assert inputs.added_rows(spark, path, HALF, 3, 4).count() == 0
     _same_as_change_feed(spark, path, 0, upto)

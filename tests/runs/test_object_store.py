@@ -224,7 +224,7 @@ def test_the_job_reads_appended_rows_and_snapshots_as_parquet_on_s3(spark, s3):
     upto = DeltaTable(path, storage_options=options_for(path)).version()
     files = appends.appended_files(path, 0, upto)
     assert files is not None and len(files) == 3
-    assert all(f.startswith(path + "/") and f.endswith(".parquet") for _, f in files)
+    assert all(f.startswith(path + "/") and f.endswith(".parquet") for _, f, _ in files)
     fast = inputs.added_rows(spark, path, HALF, 0, upto)
     slow = inputs.change_feed_inserts(spark, path, 0, upto)
     assert sorted(r.body for r in fast.collect()) == [bytes([i]) for i in range(3)]
