@@ -53,12 +53,14 @@ class Counters:
 
     def halves(self, half: DataFrame) -> DataFrame:
         """`half`, the new half rows `T.with_reject_reason`, counted (read,
-        and set aside as rejected)."""
+        set aside as rejected, and plain messages accepted: each committed
+        by its store)."""
         return self._observe(
             "half",
             half,
             _rows().alias("half_read"),
             _where(f"{T.REJECT_REASON} IS NOT NULL").alias("rejected_halves"),
+            _where(f"{T.REJECT_REASON} IS NULL AND {T.IS_PLAIN}").alias("plain"),
         )
 
     def pending(self, pending_prev: DataFrame) -> DataFrame:
@@ -103,8 +105,12 @@ class Counters:
         )
 
     def values(self) -> dict:
-        """Every counter observed so far; waits for the actions that compute them."""
+        """Every counter observed so far; waits for the actions that compute them.
+        `committed` counts the plain messages (`plain`, delivered by the run
+        that reads them) with the winning COMMITs, once both are observed."""
         out: dict = {}
         for seen in self._seen.values():
             out.update(seen.get)
+        if "committed" in out and "plain" in out:
+            out["committed"] += out["plain"]
         return out

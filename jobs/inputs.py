@@ -35,7 +35,9 @@ def snapshot(spark: SparkSession, path: str, table: TableSchema, version: int) -
     """The table as of `version` (empty when it did not exist then)."""
     if version == NO_VERSION:
         return empty(spark, table)
-    return spark.read.format("delta").option("versionAsOf", version).load(path)
+    return with_missing_columns(
+        spark.read.format("delta").option("versionAsOf", version).load(path), table
+    )
 
 
 def log_holds(spark: SparkSession, path: str, version: int) -> bool:
@@ -82,8 +84,19 @@ def added_rows(
             if files
             else empty(spark, table, with_commit_version=True)
         )
-    rows = change_feed_inserts(spark, path, after, upto)
+    rows = with_missing_columns(change_feed_inserts(spark, path, after, upto), table)
     return keep_slow(rows) if keep_slow is not None else rows
+
+
+def with_missing_columns(df: DataFrame, table: TableSchema) -> DataFrame:
+    """`df` with the columns of `table` it lacks added as nulls: a table an
+    earlier release created, not migrated yet (`txn_core.tables.add_missing_columns`),
+    reads as one that was. (Read as parquet with `table`'s schema, its files
+    give the nulls themselves.)"""
+    missing = [c for c in table.columns if c.name not in df.columns]
+    if not missing:
+        return df
+    return df.selectExpr("*", *[f"CAST(NULL AS {c.type}) AS `{c.name}`" for c in missing])
 
 
 def change_feed_inserts(spark: SparkSession, path: str, after: int, upto: int) -> DataFrame:

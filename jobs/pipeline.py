@@ -77,6 +77,11 @@ def compute(
     starts as soon as its rows are known (`writes`) and runs beside the
     rest. No `writes` (a dry run): the counters only, the bodies are never
     read.
+
+    Plain messages (half rows of type NORMAL, committed by their store)
+    never enter the live set: when the run has any, their keys are kept
+    apart, join the OP targets as already committed and the winners as
+    COMMITs of their own, which `T.queue_positions` merges with the OPs'.
     """
     writing = writes is not None
     paths = inputs.input_paths(wh)
@@ -99,19 +104,24 @@ def compute(
     checked = T.with_reject_reason(half)
     _, rejected_halves = T.split_halves(checked, rules)
     accepted, _ = T.split_halves(counted.halves(checked), rules)
+    transactional, _ = T.split_kinds(accepted)
     live = held.checkpoint(
-        T.message_keys(T.live_messages(counted.pending(pending_prev), accepted, rules))
+        T.message_keys(T.live_messages(counted.pending(pending_prev), transactional, rules))
     )
     # the messages again, for the bodies of those decided, without the
     # observations (counted once) or the checks: a rejected half has no fate
     messages = T.live_messages(pending_prev, half, rules)
+    plain = _plain_keys(checked, rules, held) if counted.values()["plain"] else None
     no_history = T.history_targets(inputs.empty(spark, RESOLVED), inputs.empty(spark, DISCARD))
-    classified = held.checkpoint(
-        counted.ops(T.classify_ops(ops, T.op_targets(live, no_history), discards=False))
-    )
+    targets = T.op_targets(live, no_history)
+    if plain is not None:  # an OP naming a plain message of this run: a duplicate or a conflict
+        targets = targets.unionByName(T.plain_targets(plain))
+    classified = held.checkpoint(counted.ops(T.classify_ops(ops, targets, discards=False)))
     classified, discard_hist = _with_history(spark, wh, record, classified, held, counted)
     c = counted.values()
-    won = T.winners(classified)
+    won_ops = T.winners(classified)
+    # plain messages: committed by their store, delivered among the winning COMMITs
+    won = won_ops if plain is None else won_ops.unionByName(T.plain_winners(plain))
     # before any write: Spark gives a job's tasks the cores in the order
     # the jobs came, and this small one would wait for a write's
     queue_ends = sorted(tuple(row) for row in T.queue_ends(won, queues).collect())
@@ -135,11 +145,13 @@ def compute(
     known = T.known_messages(messages, discard_hist)
     if writing and delivered_by_topic:  # the biggest write: started before the others are planned
         delivered = T.with_bodies(
-            T.queue_positions(won, queues), known, broadcast=c["committed"] <= BROADCAST_MAX_ROWS
+            T.queue_positions(won, queues, plain=plain is not None),
+            known,
+            broadcast=c["committed"] <= BROADCAST_MAX_ROWS,
         )
         start_deliveries(wh, T.deliveries(delivered, rules), delivered_by_topic, writes)
-    few_won = c["committed"] + c["rolled_back"] <= BROADCAST_MAX_ROWS
-    undecided = T.remaining_pending(live, won, broadcast=few_won)
+    few_won = c["committed"] - c["plain"] + c["rolled_back"] <= BROADCAST_MAX_ROWS
+    undecided = T.remaining_pending(live, won_ops, broadcast=few_won)
     decided = held.checkpoint(
         counted.fates(T.decide(T.apply_answers(undecided, answers), rules), rules)
     )
@@ -165,6 +177,16 @@ def compute(
         counts=c,
         delivered_by_topic=delivered_by_topic,
     )
+
+
+def _plain_keys(checked, rules: T.Rules, held: Held):
+    """The keys of the run's plain messages (`T.plain_keys`), from the new
+    half rows `T.with_reject_reason` (not those the counters observe: they
+    count once), kept: the OP targets, the queues, the resolved rows and the
+    deliveries all read them."""
+    accepted, _ = T.split_halves(checked, rules)
+    _, plain = T.split_kinds(accepted)
+    return held.checkpoint(T.plain_keys(plain))
 
 
 def _undelivered_rows(c: dict) -> int:
@@ -253,9 +275,14 @@ def _output_writes(wh: str, out: Outputs) -> list[tuple]:
 
 
 def _pending_changed(c: dict) -> bool:
-    """Whether the pending set differs from the one read (else keep the table as is)."""
+    """Whether the pending set differs from the one read (else keep the table
+    as is). Plain messages never pend: read and delivered, they change nothing."""
+    transactional = {
+        "half_read": c["half_read"] - c["plain"],
+        "committed": c["committed"] - c["plain"],
+    }
     return any(
-        c[k]
+        {**c, **transactional}[k]
         for k in (
             "half_read",
             "committed",

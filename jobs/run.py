@@ -57,6 +57,8 @@ class RunSummary(run_log.InputVersions):
     duration_ms: int
     run_number: int
     rejected_halves: int = 0
+    #: plain messages read (and delivered) by this run, counted in `committed` too
+    plain: int = 0
     #: the earliest now_ms at which a pending message becomes due for a check
     #: or a discard under this run's rules (None: nothing pending)
     next_due_ms: int | None = None

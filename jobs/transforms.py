@@ -20,13 +20,22 @@ from pyspark.sql import functions as F
 
 from schemas import HALF, OP, TOPIC, TableSchema
 from schemas.spark import spark_type
-from schemas.tables import CHECK_REQUESTS, DISCARD, PENDING, QUEUES, REJECTED, RESOLVED
+from schemas.tables import (
+    CHECK_REQUESTS,
+    DISCARD,
+    PENDING,
+    QUEUES,
+    REJECTED,
+    RESOLVED,
+    STORED_MESSAGE_COLUMNS,
+)
 from txn_core.vocabulary import (
     SYSTEM_TOPIC_REGEX,
     TOPIC_PATTERN,
     Action,
     CheckAnswer,
     Decision,
+    MessageType,
     OpOutcome,
     Source,
 )
@@ -119,6 +128,11 @@ def conform(df: DataFrame, table: TableSchema, *extra: str) -> DataFrame:
     return df.selectExpr(*exprs, *[f"`{name}`" for name in extra])
 
 
+def _sql_strings(values) -> str:
+    """('A', 'B') for SQL's IN, from constants of this module."""
+    return "(" + ", ".join(f"'{v}'" for v in values) + ")"
+
+
 # --- 1. new half rows ----------------------------------------------------------
 
 
@@ -130,7 +144,15 @@ def half_reject_reason() -> Column:
         F.when(~topic.rlike(TOPIC_PATTERN), F.lit("invalid topic name"))
         .when(topic.rlike(SYSTEM_TOPIC_REGEX), F.lit("system topic name"))
         .when(F.col("queue_id") < 0, F.lit("negative queue_id"))
+        .when(F.expr(_UNKNOWN_TYPE), F.lit("unknown message_type"))
     )
+
+
+# SQL text, as the OP rules: Columns need a session, these are module constants.
+#: a half row's message_type is not one this job knows (null: TRANSACTION)
+_UNKNOWN_TYPE = f"coalesce(NOT message_type IN {_sql_strings(MessageType)}, false)"
+#: a half row is a plain message (`Producer.send`): committed by its own store
+IS_PLAIN = f"coalesce(message_type = '{MessageType.NORMAL}', false)"
 
 
 #: the column `with_reject_reason` adds
@@ -159,6 +181,57 @@ def split_halves(new_half: DataFrame, rules: Rules) -> tuple[DataFrame, DataFram
         F.lit(rules.run_id).alias("run_id"),
     )
     return accepted, conform(rejected, REJECTED)
+
+
+def split_kinds(accepted_half: DataFrame) -> tuple[DataFrame, DataFrame]:
+    """(the transactional half rows, the plain ones) of `accepted_half`
+    (`split_halves`): only the first become live messages."""
+    return accepted_half.where(f"NOT {IS_PLAIN}"), accepted_half.where(IS_PLAIN)
+
+
+#: what the rules need of a plain message: its identity, queue and commit
+PLAIN_KEY_COLUMNS = (
+    "half_offset",
+    "transaction_id",
+    "producer_group",
+    "topic",
+    "queue_id",
+    "commit_version",
+    "store_ms",
+)
+
+
+def plain_keys(plain_half: DataFrame) -> DataFrame:
+    """The PLAIN_KEY_COLUMNS of the plain half rows `split_kinds` gives (with
+    their `commit_version`: the `_sys/half` version that stored them)."""
+    return plain_half.select(*PLAIN_KEY_COLUMNS)
+
+
+def plain_targets(plain: DataFrame) -> DataFrame:
+    """Plain messages (`plain_keys`) as OP targets: already committed, so an
+    OP naming one is a duplicate (COMMIT) or a conflict (ROLLBACK) and
+    changes nothing (docs/protocol.md §4, rule 3)."""
+    return plain.select(
+        *_IDENTITY,
+        F.lit(Action.COMMIT.value).alias("prior_action"),
+        F.lit(False).alias("discarded"),
+    )
+
+
+def plain_winners(plain: DataFrame) -> DataFrame:
+    """Plain messages (`plain_keys`) as `winners` rows: a COMMIT whose
+    `source` is NORMAL, its own half row standing for the OP (`op_offset`
+    the half_offset, `commit_version` the half table's version,
+    `op_store_ms` its store time)."""
+    return plain.select(
+        *_IDENTITY,
+        F.lit(Action.COMMIT.value).alias("action"),
+        F.lit(MessageType.NORMAL.value).alias("source"),
+        F.col("half_offset").alias("op_offset"),
+        "commit_version",
+        F.col("store_ms").alias("op_store_ms"),
+        F.lit(False).alias("discarded"),
+    )
 
 
 def live_messages(pending_prev: DataFrame, accepted_half: DataFrame, rules: Rules) -> DataFrame:
@@ -217,11 +290,6 @@ def _targets(messages: DataFrame, *, discarded: bool) -> DataFrame:
         F.lit(None).cast("string").alias("prior_action"),
         F.lit(discarded).alias("discarded"),
     )
-
-
-def _sql_strings(values) -> str:
-    """('A', 'B') for SQL's IN, from constants of this module."""
-    return "(" + ", ".join(f"'{v}'" for v in values) + ")"
 
 
 _VALID_OP = f"(action IN {_sql_strings(Action)} AND source IN {_sql_strings(Source)})"
@@ -379,16 +447,26 @@ def winners(classified: DataFrame) -> DataFrame:
 # --- 3. deliveries ---------------------------------------------------------
 
 
-def queue_positions(won: DataFrame, queues: DataFrame) -> DataFrame:
+def queue_positions(won: DataFrame, queues: DataFrame, *, plain: bool = False) -> DataFrame:
     """Where each winning COMMIT goes: dense queue offsets per (topic,
     queue_id), continuing the previous maximum, in commit order; `commit_ms`
-    is the winning OP's store time."""
+    is the winning OP's store time.
+
+    `plain`: `won` holds plain messages too (`plain_winners`), committed in
+    `_sys/half`, whose versions do not compare with `_sys/op`'s. Each kind
+    then keeps its own commit order (table version, then offset), and the
+    two are merged by commit time: a message is placed by the latest
+    (commit_ms, offset) among its kind's messages of the queue up to it,
+    ties going to the COMMIT OPs (docs/protocol.md §4.3).
+    """
     base = queues.select("topic", "queue_id", "next_queue_offset")
-    order = Window.partitionBy("topic", "queue_id").orderBy("commit_version", "op_offset")
+    order = Window.partitionBy("topic", "queue_id").orderBy(*_merge_order(plain))
     # only what the ordering and the fate need: every row goes through a sort
+    rows = won.where(F.col("action") == Action.COMMIT).select(
+        "half_offset", "topic", "queue_id", "commit_version", "op_offset", "op_store_ms", "source"
+    )
     return (
-        won.where(F.col("action") == Action.COMMIT)
-        .select("half_offset", "topic", "queue_id", "commit_version", "op_offset", "op_store_ms")
+        _with_merge_key(rows, plain)
         .join(base, ["topic", "queue_id"], "left")
         .select(
             "half_offset",
@@ -400,6 +478,31 @@ def queue_positions(won: DataFrame, queues: DataFrame) -> DataFrame:
             F.col("op_store_ms").alias("commit_ms"),
         )
     )
+
+
+def _with_merge_key(rows: DataFrame, plain: bool) -> DataFrame:
+    """`rows` (winning COMMITs) with `_plain` and `_at`, the merge key of
+    `queue_positions`: the running maximum of (commit_ms, offset) along its
+    kind's commit order in its queue. Non-decreasing along each kind's
+    order, so sorting by it keeps that order and interleaves the kinds by
+    time. Without plain messages: `rows` as they are."""
+    if not plain:
+        return rows
+    kind = F.col("source") == MessageType.NORMAL
+    own = (
+        Window.partitionBy("topic", "queue_id", "_plain")
+        .orderBy("commit_version", "op_offset")
+        .rowsBetween(Window.unboundedPreceding, Window.currentRow)
+    )
+    return rows.withColumn("_plain", kind).withColumn(
+        "_at", F.max(F.struct("op_store_ms", "op_offset")).over(own)
+    )
+
+
+def _merge_order(plain: bool) -> tuple[str, ...]:
+    """The sort of a queue's deliveries (`queue_positions`)."""
+    own = ("commit_version", "op_offset")
+    return ("_at", "_plain", *own) if plain else own
 
 
 def queue_ends(won: DataFrame, queues: DataFrame) -> DataFrame:
@@ -430,16 +533,20 @@ def queue_ends(won: DataFrame, queues: DataFrame) -> DataFrame:
 
 
 def known_messages(messages: DataFrame, discarded: DataFrame) -> DataFrame:
-    """The HALF rows of every message a fate of this run can name: the live
-    `messages` and the `discarded` ones its OPs name (an ADMIN OP may
-    deliver a discarded message)."""
-    return messages.select(*HALF.names).unionByName(discarded.select(*HALF.names))
+    """The stored messages (STORED_MESSAGE_COLUMNS) of every message a fate
+    of this run can name: the live `messages` and the new plain ones (both in
+    `messages`) and the `discarded` ones its OPs name (an ADMIN OP may deliver
+    a discarded message)."""
+    return messages.select(*STORED_MESSAGE_COLUMNS).unionByName(
+        discarded.select(*STORED_MESSAGE_COLUMNS)
+    )
 
 
 def with_bodies(fates: DataFrame, messages: DataFrame, *, broadcast: bool = False) -> DataFrame:
     """Rows decided on keys alone (queue positions, decided pending rows):
-    their FATE_COLUMNS, each with its whole message (the HALF columns of
-    `messages`: live messages, or a discarded one an ADMIN OP delivers).
+    their FATE_COLUMNS, each with its whole message (the
+    STORED_MESSAGE_COLUMNS of `messages`: live messages, plain ones, or a
+    discarded one an ADMIN OP delivers).
 
     `broadcast`: the fates are few enough to send whole to every task, so
     the messages, the wide side, are joined where they lie instead of
@@ -448,7 +555,7 @@ def with_bodies(fates: DataFrame, messages: DataFrame, *, broadcast: bool = Fals
     decided = fates.select(*[c for c in FATE_COLUMNS if c in fates.columns])
     if broadcast:
         decided = F.broadcast(decided)
-    return decided.join(messages.select(*HALF.names), "half_offset", "inner")
+    return decided.join(messages.select(*STORED_MESSAGE_COLUMNS), "half_offset", "inner")
 
 
 def deliveries(settled: DataFrame, rules: Rules) -> DataFrame:

@@ -7,7 +7,9 @@ message's fate by a full anti-join, with rules of its own (not
 up to the input versions of the last committed run (`_sys/runs`) are judged;
 newer ones are legitimately not handled yet. `_sys/runs` also dates every OP
 and discard, which is what "an OP arriving after the discard" means
-(docs/protocol.md §4, rule 3). Discards depend on the clock and on check
+(docs/protocol.md §4, rule 3). A plain message (`message_type` NORMAL) is
+committed by its own half row, dated by the run whose half versions hold
+it, whatever OP names it. Discards depend on the clock and on check
 answers, so each is checked against the rule it names, not recomputed. The
 rules: `_judged_ops`, `_winners`, `_expected`; docs/operating.md, "verify: the audit".
 """
@@ -43,6 +45,7 @@ from txn_core.vocabulary import (
     TOPIC_PATTERN,
     Action,
     Decision,
+    MessageType,
     RunStatus,
     Source,
 )
@@ -541,7 +544,8 @@ def _discard_differences(
         # A discard the run could not have made: the message was already decided.
         _diff(
             expected.where(
-                F.col("w_before_discard") | (F.col("bad_half") & (F.col("n_discards") > 0))
+                F.col("w_before_discard")
+                | ((F.col("bad_half") | F.col("plain")) & (F.col("n_discards") > 0))
             ),
             "discard_of_decided_message",
             DISCARD.path,
@@ -710,14 +714,25 @@ def _expected(
     )
     found_at = delivered_rows.groupBy("half_offset").agg(F.min("queue_offset").alias("found_at"))
     delivered = F.col("fate") == DELIVERED
-    qorder = Window.partitionBy("topic", "queue_id", delivered).orderBy(
-        "w_cv", "undated_at", "w_op_offset"
+    queue = ("topic", "queue_id", delivered)
+    # Each run's deliveries follow the previous run's; within a run each kind
+    # (COMMIT OPs, plain messages) keeps its commit order, and the two are
+    # merged by the latest (commit time, offset) of the kind so far
+    # (docs/protocol.md §4.3). With one kind, that is its commit order.
+    own = (
+        Window.partitionBy(*queue, "w_run", "w_plain")
+        .orderBy("w_cv", "undated_at", "w_op_offset")
+        .rowsBetween(Window.unboundedPreceding, Window.currentRow)
+    )
+    qorder = Window.partitionBy(*queue).orderBy(
+        "w_run", "_at", "w_plain", "w_cv", "undated_at", "w_op_offset"
     )
     return (
         fate.join(found_at, "half_offset", "left")
         .withColumn("undated_at", F.when(~F.col("w_dated"), F.col("found_at")))
+        .withColumn("_at", F.max(F.struct("w_store_ms", "w_op_offset")).over(own))
         .withColumn("exp_queue_offset", F.when(delivered, F.row_number().over(qorder) - 1))
-        .drop("found_at", "undated_at")
+        .drop("found_at", "undated_at", "_at")
         .repartition("half_offset")
     )
 
@@ -765,7 +780,7 @@ def verify(spark: SparkSession, config) -> VerifyReport:
     halves = _halves(half)
     discard_dated, per_half_discard = _dated_discards(tables[DISCARD.path], runs)
     ops = _judged_ops(op, runs, halves, per_half_discard).cache()
-    winners = _winners(ops, tables[RESOLVED.path])
+    winners = _with_plain(_winners(ops, tables[RESOLVED.path]), halves, runs, tables[RESOLVED.path])
     judged = halves.where(F.col("half_cv") <= F.lit(scope.half_upto))
     expected = _expected(judged, winners, per_half_discard, delivered_rows).cache()
 
@@ -833,9 +848,10 @@ def _scope(spark: SparkSession, wh: str) -> _Scope:
 
 
 def _runs_frame(spark: SparkSession, committed: list[dict]) -> DataFrame:
-    """Each committed run with the interval of OP versions it read (op_lo,
-    op_hi], to date OPs and discards, and the rules it ran with."""
-    rows, prev_op = [], -1
+    """Each committed run with the intervals of OP versions (op_lo, op_hi]
+    and half versions (half_lo, run_half_version] it read, to date OPs,
+    plain messages and discards, and the rules it ran with."""
+    rows, prev_op, prev_half = [], -1, -1
     for r in committed:
         rules = _rules(r)
         rows.append(
@@ -844,6 +860,7 @@ def _runs_frame(spark: SparkSession, committed: list[dict]) -> DataFrame:
                 int(r["run_number"]),
                 prev_op,
                 int(r["op_version"]),
+                prev_half,
                 int(r["half_version"]),
                 int(r["now_ms"]),
                 rules.get("reserved_ms"),
@@ -851,11 +868,11 @@ def _runs_frame(spark: SparkSession, committed: list[dict]) -> DataFrame:
                 rules.get("check_budget"),
             )
         )
-        prev_op = int(r["op_version"])
+        prev_op, prev_half = int(r["op_version"]), int(r["half_version"])
     return spark.createDataFrame(
         rows,
         "run_id string, run_number bigint, op_lo bigint, "
-        "op_hi bigint, run_half_version bigint, "
+        "op_hi bigint, half_lo bigint, run_half_version bigint, "
         "run_now_ms bigint, reserved_ms bigint, "
         "check_max bigint, check_budget string",
     )
@@ -900,15 +917,19 @@ def _delivered_rows(
 
 
 def _halves(half: DataFrame) -> DataFrame:
-    """One row per half, `bad_half` when the broker core would not have written it."""
+    """One row per half, `bad_half` when the broker core would not have
+    written it, `plain` for a plain message (committed by its store)."""
+    known_type = F.coalesce(F.col("message_type").isin(*MessageType), F.lit(True))
     return (
         half.dropDuplicates(["half_offset"])
         .withColumn(
             "bad_half",
             ~F.col("topic").rlike(TOPIC_PATTERN)
             | F.col("topic").rlike(SYSTEM_TOPIC_REGEX)
-            | (F.col("queue_id") < 0),
+            | (F.col("queue_id") < 0)
+            | ~known_type,
         )
+        .withColumn("plain", F.coalesce(F.col("message_type") == MessageType.NORMAL, F.lit(False)))
         .withColumnRenamed("cv", "half_cv")
     )
 
@@ -1009,12 +1030,59 @@ def _winners(ops: DataFrame, resolved: DataFrame) -> DataFrame:
             F.col("source").alias("w_source"),
             F.col("cv").alias("w_cv"),
             F.col("dated").alias("w_dated"),
+            F.col("run_number").alias("w_run"),
+            F.lit(False).alias("w_plain"),
             F.col("store_ms").alias("w_store_ms"),
             F.col("d_op_version").isNotNull().alias("w_after_discard"),
             (F.col("d_op_version").isNotNull() & (F.col("cv") <= F.col("d_op_version"))).alias(
                 "w_before_discard"
             ),
         )
+    )
+
+
+def _with_plain(
+    op_winners: DataFrame, halves: DataFrame, runs: DataFrame, resolved: DataFrame
+) -> DataFrame:
+    """`op_winners` (`_winners`) with each plain message's own commit in
+    place of any OP naming it: action COMMIT, source NORMAL, its half_offset,
+    half version and store time standing for the OP's; `w_run` the run
+    whose half versions hold it. A winner older than the log (undated) is
+    dated by the job's record of its run (`_sys/resolved`), as its order is."""
+    plain = (
+        halves.where(F.col("plain") & ~F.col("bad_half"))
+        .join(
+            F.broadcast(runs.select("run_number", "half_lo", "run_half_version")),
+            (F.col("half_cv") > F.col("half_lo")) & (F.col("half_cv") <= F.col("run_half_version")),
+            "left",
+        )
+        .select(
+            "half_offset",
+            F.col("half_offset").alias("w_op_offset"),
+            F.lit(Action.COMMIT.value).alias("w_action"),
+            F.lit(MessageType.NORMAL.value).alias("w_source"),
+            F.col("half_cv").alias("w_cv"),
+            F.col("dated").alias("w_dated"),
+            F.col("run_number").alias("w_run"),
+            F.lit(True).alias("w_plain"),
+            F.col("store_ms").alias("w_store_ms"),
+            F.lit(False).alias("w_after_discard"),
+            F.lit(False).alias("w_before_discard"),
+        )
+    )
+    winners = op_winners.join(plain.select("half_offset"), "half_offset", "left_anti").unionByName(
+        plain
+    )
+    job_run = (
+        resolved.select("half_offset", "run_id")
+        .join(F.broadcast(runs.select("run_id", "run_number")), "run_id")
+        .groupBy("half_offset")
+        .agg(F.min("run_number").alias("job_run"))
+    )
+    return (
+        winners.join(job_run, "half_offset", "left")
+        .withColumn("w_run", F.when(F.col("w_dated"), F.col("w_run")).otherwise(F.col("job_run")))
+        .drop("job_run")
     )
 
 
@@ -1028,9 +1096,13 @@ def _union(frames: list[DataFrame]) -> DataFrame:
 def _counts(
     expected: DataFrame, ops: DataFrame, scope: _Scope, *, not_yet: int, topic_tables: int
 ) -> dict[str, int]:
-    fates = {
-        r["fate"]: r["n"] for r in expected.groupBy("fate").agg(F.count("*").alias("n")).collect()
-    }
+    by_fate = expected.groupBy("fate").agg(
+        F.count("*").alias("n"), F.sum(F.col("plain").cast("int")).alias("plain")
+    )
+    fates, plain = {}, 0
+    for r in by_fate.collect():
+        fates[r["fate"]] = r["n"]
+        plain += (r["plain"] or 0) if r["fate"] == DELIVERED else 0
     op_stats = (
         ops.agg(
             F.count("*").alias("ops_judged"),
@@ -1044,6 +1116,7 @@ def _counts(
         "halves_judged": sum(fates.values()),
         "halves_not_yet_processed": not_yet,
         "delivered": fates.get(DELIVERED, 0),
+        "plain": plain,
         "rolled_back": fates.get(ROLLED_BACK, 0),
         "discarded": fates.get(DISCARDED, 0),
         "pending": fates.get(PENDING_FATE, 0),

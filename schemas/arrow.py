@@ -21,6 +21,8 @@ def arrow_type(type_name: str) -> pa.DataType:
     if type_name.startswith("map<") and type_name.endswith(">"):
         key, value = (t.strip() for t in type_name[4:-1].split(","))
         return pa.map_(arrow_type(key), arrow_type(value))
+    if type_name.startswith("array<") and type_name.endswith(">"):
+        return pa.list_(arrow_type(type_name[6:-1].strip()))
     raise ValueError(f"unsupported column type {type_name!r}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pyspark.sql.types import (
+    ArrayType,
     BinaryType,
     BooleanType,
     DataType,
@@ -31,6 +32,8 @@ def spark_type(type_name: str) -> DataType:
     if type_name.startswith("map<") and type_name.endswith(">"):
         key, value = (t.strip() for t in type_name[4:-1].split(","))
         return MapType(spark_type(key), spark_type(value), valueContainsNull=True)
+    if type_name.startswith("array<") and type_name.endswith(">"):
+        return ArrayType(spark_type(type_name[6:-1].strip()), containsNull=True)
     raise ValueError(f"unsupported column type {type_name!r}")
 
 

@@ -2,7 +2,7 @@
 
 Types are Spark SQL type names (the narrowest common vocabulary of both engines):
 `bigint`, `int`, `string`, `binary`, `boolean`, `map<string,string>`,
-`map<string,bigint>`. `nullable=False` becomes a Delta NOT NULL column, so
+`map<string,bigint>`, `array<int>`. `nullable=False` becomes a Delta NOT NULL column, so
 both writers refuse rows missing a key field.
 """
 
@@ -75,13 +75,27 @@ _MESSAGE = (
 #: a message's columns, as every table that carries one names them
 MESSAGE_COLUMNS = tuple(c[0] for c in _MESSAGE)
 
+# A stored message: the half row as the job's tables keep it (pending, discard).
+_STORED = _cols(
+    ("half_offset", "bigint", False),
+    *_MESSAGE,
+    ("store_ms", "bigint", False),
+    ("check_immunity_s", "int"),
+)
+#: the columns of a stored message every table that keeps one whole has
+#: (`_sys/half`, `_sys/pending`, `_sys/discard`)
+STORED_MESSAGE_COLUMNS = tuple(c.name for c in _STORED)
+
+# Columns added to `_sys/half` since its first release: nullable, at the end,
+# and added to an existing table when a broker opens it
+# (`txn_core.tables.add_missing_columns`); rows written before read as null.
 HALF = TableSchema(
     "_sys/half",
-    _cols(
-        ("half_offset", "bigint", False),
-        *_MESSAGE,
-        ("store_ms", "bigint", False),
-        ("check_immunity_s", "int"),
+    _STORED
+    + _cols(
+        # NORMAL (a plain message: committed by its store) or TRANSACTION;
+        # null: TRANSACTION (txn_core.vocabulary.MessageType)
+        ("message_type", "string")
     ),
     writer="broker",
 )
@@ -130,7 +144,7 @@ CHECK_ANSWERS = TableSchema(
 
 DISCARD = TableSchema(
     "_sys/discard",
-    HALF.columns
+    _STORED
     + _cols(
         ("check_times", "int", False),
         ("reason", "string", False),  # MAX_CHECKS | EXPIRED
@@ -226,7 +240,7 @@ RUNS = TableSchema(
 
 PENDING = TableSchema(
     "_sys/pending",
-    HALF.columns
+    _STORED
     + _cols(
         ("checks_sent", "int", False),
         ("checks_undecided", "int", False),  # answers UNKNOWN / ERROR
@@ -306,6 +320,24 @@ CONSUMER_OFFSETS = TableSchema(
     writer="broker",  # the broker core's delta-rs, in the consumer's process
 )
 
+# Appended by every member of a consumer group: when it joins, at each
+# heartbeat (at most every heartbeat_interval_s), and with leaving=true when it
+# closes. Each member's newest row is its state: alive while not leaving and
+# newer than the group's member_timeout_s; `queues` are the queue ids it holds
+# (docs/protocol.md §3.2, "Several members").
+CONSUMER_MEMBERS = TableSchema(
+    "_sys/consumer_members",
+    _cols(
+        ("group", "string", False),
+        ("topic", "string", False),
+        ("member", "string", False),
+        ("heartbeat_ms", "bigint", False),
+        ("leaving", "boolean", False),
+        ("queues", "array<int>", False),
+    ),
+    writer="broker",  # the broker core's delta-rs, in the consumer's process
+)
+
 # One table per consumer group (`dlq_path`): the messages its listener gave up
 # on, each as delivered (its topic and TOPIC columns) and why.
 DLQ = TableSchema(
@@ -336,6 +368,7 @@ ALL_TABLES = (
     REJECTED,
     LEASE,
     CONSUMER_OFFSETS,
+    CONSUMER_MEMBERS,
     DLQ,
 )
 

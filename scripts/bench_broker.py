@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Throughput and latency of the broker core's transactional sends.
+"""Throughput and latency of the broker core's transactional and plain sends.
 
 Flags mirror RocketMQ's own benchmark (example/benchmark/TransactionProducer):
 -w threads, -s message size, -t topic, -sr/-su share of sends whose local
@@ -10,7 +10,12 @@ Beyond RocketMQ's: -d duration, --batch-size for the bulk path, --skip-naive.
 In one run it measures, at the same concurrency:
   1. the per-message path with group commit (what TransactionProducer does);
   2. the naive design: one Delta commit per half row and one per OP row;
-  3. the batch path (send_batch_in_transaction) with --batch-size messages.
+  3. the batch path (send_batch_in_transaction) with --batch-size messages;
+  4. plain sends (Producer.send: a half row, no OP), group-committed;
+  5. plain batches (Producer.send_batch) of --batch-size messages, with
+     max_batch_bytes raised to fit them (RocketMQ's 4 MiB default holds
+     about 2,000 messages of 2 KB).
+`--modes` picks some of them (e.g. `--modes plain,plain-batch`).
 For the group-commit run it also prints where each table's writer thread
 spent the window (`Broker.writer_stats`): inside Delta commits, building
 Arrow columns, or idle waiting for rows; and how busy its upkeep thread was.
@@ -47,6 +52,7 @@ from txn_core import (
     Broker,
     LocalTransactionState,
     Message,
+    Producer,
     TransactionListener,
     TransactionProducer,
 )
@@ -85,10 +91,11 @@ def percentile(sorted_values: list[float], p: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(p * len(sorted_values)))]
 
 
-def open_broker(store: Store, **kwargs) -> tuple[Broker, str]:
-    """A broker on a fresh warehouse of `store`, and that warehouse."""
+def open_broker(store: Store, keys: dict | None = None, **kwargs) -> tuple[Broker, str]:
+    """A broker on a fresh warehouse of `store` (configuration `keys` added),
+    and that warehouse."""
     warehouse = store.warehouse()
-    return Broker.open(store.config(warehouse), **kwargs), warehouse
+    return Broker.open(store.config(warehouse, **(keys or {})), **kwargs), warehouse
 
 
 def per_message(counts_before: dict, counts_after: dict, messages: int) -> dict:
@@ -99,13 +106,20 @@ def per_message(counts_before: dict, counts_after: dict, messages: int) -> dict:
     return figures
 
 
-def run_per_message(args, group_commit: bool, duration: float, store: Store) -> dict:
-    """Closed-loop senders for `duration` seconds; returns the figures."""
+def run_per_message(
+    args, group_commit: bool, duration: float, store: Store, plain: bool = False
+) -> dict:
+    """Closed-loop senders for `duration` seconds; returns the figures.
+    `plain`: `Producer.send` (a half row each, no local transaction, no OP)."""
     broker, warehouse = open_broker(store, group_commit=group_commit)
-    producer = TransactionProducer(
-        broker,
-        "benchmark_transaction_producer",
-        BenchListener(args.check_rollback_rate, args.check_unknown_rate),
+    producer = (
+        Producer(broker, "benchmark_producer")
+        if plain
+        else TransactionProducer(
+            broker,
+            "benchmark_transaction_producer",
+            BenchListener(args.check_rollback_rate, args.check_unknown_rate),
+        )
     )
     bodies = [
         make_body(args.message_size, args.send_rollback_rate, args.send_unknown_rate)
@@ -122,17 +136,19 @@ def run_per_message(args, group_commit: bool, duration: float, store: Store) -> 
         mine, n = latencies[i], i
         while not stop.is_set():
             t0 = time.perf_counter()
+            msg = Message(topic=args.topic, body=bodies[n % len(bodies)])
             try:
-                result = producer.send_message_in_transaction(
-                    Message(topic=args.topic, body=bodies[n % len(bodies)])
-                )
+                if plain:
+                    producer.send(msg)
+                else:
+                    result = producer.send_message_in_transaction(msg)
             except Exception:  # noqa: BLE001 - counted like RocketMQ's benchmark
                 failures[i] += 1
                 continue
             if stop.is_set():
                 break  # finished after the window closed: not counted
             mine.append(time.perf_counter() - t0)
-            decided[i] += result.op_written or result.local_state is UNKNOWN
+            decided[i] += plain or result.op_written or result.local_state is UNKNOWN
             n += 1
             if args.interval_ms:
                 time.sleep(args.interval_ms / 1000)
@@ -160,7 +176,8 @@ def run_per_message(args, group_commit: bool, duration: float, store: Store) -> 
     lat = sorted(x for per in latencies for x in per)
     return {
         "store": store.name,
-        "design": "group commit" if group_commit else "naive (one commit per row)",
+        "design": ("plain sends, " if plain else "")
+        + ("group commit" if group_commit else "naive (one commit per row)"),
         "threads": args.threads,
         "messages": len(lat),
         "seconds": round(elapsed, 2),
@@ -195,25 +212,36 @@ def writer_figures(stats, elapsed: float) -> dict:
     }
 
 
-def run_batches(args, store: Store) -> dict:
-    broker, warehouse = open_broker(store)
-    producer = TransactionProducer(broker, "benchmark_transaction_producer", BenchListener(0, 0))
+def run_batches(args, store: Store, plain: bool = False) -> dict:
+    """Batches of --batch-size back to back for --batch-duration seconds.
+    `plain`: `Producer.send_batch`, with max_batch_bytes raised to fit a batch."""
     body = bytes([0]) + os.urandom(args.message_size - 1)  # every batch commits
     batch = [Message(topic=args.topic, body=body) for _ in range(args.batch_size)]
+    limit = max(4 * 1024 * 1024, args.batch_size * args.message_size)
+    broker, warehouse = open_broker(store, {"max_batch_bytes": limit} if plain else None)
+    producer = (
+        Producer(broker, "benchmark_producer")
+        if plain
+        else TransactionProducer(broker, "benchmark_transaction_producer", BenchListener(0, 0))
+    )
     sent, lat = 0, []
     began = time.perf_counter()
     while time.perf_counter() - began < args.batch_duration:
         t0 = time.perf_counter()
-        result = producer.send_batch_in_transaction(batch)
+        if plain:
+            sent += len(producer.send_batch(batch))
+        else:
+            result = producer.send_batch_in_transaction(batch)
+            sent += len(result) if result.op_written else 0
         lat.append(time.perf_counter() - t0)
-        sent += len(result) if result.op_written else 0
     elapsed = time.perf_counter() - began
     broker.close()
     store.remove(warehouse)
     lat.sort()
     return {
         "store": store.name,
-        "design": "batch path",
+        "design": "plain batches" if plain else "batch path",
+        **({"max_batch_bytes": limit} if plain else {}),
         "batch_size": args.batch_size,
         "batches": len(lat),
         "messages": sent,
@@ -239,6 +267,11 @@ def main(argv=None) -> int:
     p.add_argument("--batch-duration", type=float, default=10.0)
     p.add_argument("--skip-naive", action="store_true")
     p.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated, of {', '.join(MODES)} (default: all; naive unless --skip-naive)",
+    )
+    p.add_argument(
         "--threads-list",
         default=None,
         help="with an object store: comma-separated thread counts (default: -w)",
@@ -258,19 +291,47 @@ def main(argv=None) -> int:
             server and server.stop()
         os._exit(0)
     local = stores[0]
-    grouped = run_per_message(args, True, args.duration, local)
-    print(json.dumps(grouped), flush=True)
-    # The batch path before the naive design: naive senders still retrying
-    # their commits after its window would share the cores with it.
-    print(json.dumps(run_batches(args, local)), flush=True)
-    if not args.skip_naive:
+    modes = _modes(args)
+    grouped = None
+    if "transactional" in modes:
+        grouped = run_per_message(args, True, args.duration, local)
+        print(json.dumps(grouped), flush=True)
+    # The batch paths before the naive design: naive senders still retrying
+    # their commits after its window would share the cores with them.
+    if "batch" in modes:
+        print(json.dumps(run_batches(args, local)), flush=True)
+    if "plain" in modes:
+        plain = run_per_message(args, True, args.duration, local, plain=True)
+        print(json.dumps(plain), flush=True)
+        if grouped is not None:
+            ratio = round(plain["msgs_per_s"] / grouped["msgs_per_s"], 2)
+            print(json.dumps({"plain_vs_transactional_per_message": ratio}), flush=True)
+    if "plain-batch" in modes:
+        print(json.dumps(run_batches(args, local, plain=True)), flush=True)
+    if "naive" in modes:
         naive = run_per_message(args, False, args.duration, local)
         print(json.dumps(naive))
-        ratio = grouped["msgs_per_s"] / naive["msgs_per_s"] if naive["msgs_per_s"] else None
-        print(json.dumps({"group_commit_vs_naive": round(ratio, 1) if ratio else None}), flush=True)
+        if grouped is not None:
+            ratio = grouped["msgs_per_s"] / naive["msgs_per_s"] if naive["msgs_per_s"] else None
+            print(
+                json.dumps({"group_commit_vs_naive": round(ratio, 1) if ratio else None}),
+                flush=True,
+            )
     # Abandoned naive senders may still be inside delta-rs: leave without
     # running interpreter shutdown under them.
     os._exit(0)
+
+
+#: what one invocation can measure (`--modes`)
+MODES = ("transactional", "batch", "plain", "plain-batch", "naive")
+
+
+def _modes(args) -> set[str]:
+    modes = {m.strip() for m in args.modes.split(",") if m.strip()}
+    unknown = modes - set(MODES)
+    if unknown:
+        raise SystemExit(f"--modes: unknown {sorted(unknown)}; known: {', '.join(MODES)}")
+    return modes - ({"naive"} if args.skip_naive else set())
 
 
 def compare_stores(args, *stores: Store) -> None:

@@ -89,6 +89,7 @@ def half_batch(start: int, n: int, body_bytes: int, store_ms: int) -> pa.Table:
         "born_ms": pa.array([store_ms - 1] * n, pa.int64()),
         "store_ms": pa.array([store_ms] * n, pa.int64()),
         "check_immunity_s": pa.nulls(n, pa.int32()),
+        "message_type": pa.nulls(n, pa.string()),  # transactional
     }
     return pa.table(cols, schema=arrow_schema(HALF))
 

@@ -1,5 +1,6 @@
-"""Rows for the producer tables written directly with delta-rs, so tests
-control every column (store_ms above all) without the broker core."""
+"""Rows for the producer tables and the topics written directly with delta-rs,
+so tests control every column (store_ms above all) without the broker core or
+the job; a clock tests move by hand."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Iterable
 import pyarrow as pa
 from deltalake import write_deltalake
 
-from schemas import CHECK_ANSWERS, HALF, OP, table_path
+from schemas import CHECK_ANSWERS, HALF, OP, TOPIC, table_path, topic_path
 from schemas.arrow import arrow_schema
 from txn_core.storage import options_for
 from txn_core.tables import ensure_broker_tables
@@ -133,3 +134,55 @@ def op_rows(offsets: list[int]) -> dict[str, list]:
         "source": ["PRODUCER"] * n,
         "remark": [None] * n,
     }
+
+
+# --- topic rows, as the job delivers them (for consumers) ---
+
+
+class Clock:
+    """A clock the test moves by hand (seconds)."""
+
+    def __init__(self, now: float = 1_000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def topic_row(queue_id: int, queue_offset: int) -> dict:
+    n = f"{queue_id}-{queue_offset}"
+    return {
+        "queue_id": queue_id,
+        "queue_offset": queue_offset,
+        "msg_id": f"msg-{n}",
+        "transaction_id": f"tx-{n}",
+        "half_offset": queue_id * 1000 + queue_offset,
+        "producer_group": "order_group",
+        "tags": "created",
+        "keys": f"order-{n}",
+        "body": f"body-{n}".encode(),
+        "properties": [("n", n)],
+        "born_ms": 10,
+        "commit_ms": 20,
+        "delivered_ms": 30,
+        "run_id": "run-1",
+    }
+
+
+def deliver(warehouse: str, topic: str = "ORDER", **offsets_by_queue: range) -> None:
+    """One commit of topic rows: `q0=range(0, 3)` delivers offsets 0..2 of queue 0."""
+    rows = [
+        topic_row(int(name[1:]), offset)
+        for name, offsets in offsets_by_queue.items()
+        for offset in offsets
+    ]
+    path = topic_path(warehouse, topic)
+    write_deltalake(
+        path,
+        pa.Table.from_pylist(rows, schema=arrow_schema(TOPIC)),
+        mode="append",
+        storage_options=options_for(path),
+    )

@@ -1,10 +1,10 @@
-"""The broker core: RocketMQ-style transactional producers on Delta Lake tables.
+"""The broker core: RocketMQ-style transactional and plain producers on Delta Lake tables.
 
 Producers append half and OP rows through delta-rs (no JVM); the reconciliation
 job (`jobs/`) does the rest; consumer groups read the topics (`Consumer`,
 `PushConsumer`). See docs/protocol.md §3.
 
->>> from txn_core import Broker, Message, TransactionProducer, load_config
+>>> from txn_core import Broker, Message, Producer, TransactionProducer, load_config
 """
 
 from txn_core.broker import Broker
@@ -13,8 +13,10 @@ from txn_core.consumer_group import (
     ConsumedMessage,
     Consumer,
     ConsumerClosedError,
+    CorruptMembershipError,
     CorruptOffsetError,
     PushConsumer,
+    QueueNotAssignedError,
 )
 from txn_core.errors import (
     BrokerClosedError,
@@ -23,11 +25,19 @@ from txn_core.errors import (
     PersistError,
     TxnError,
 )
-from txn_core.message import BatchSendResult, LocalTransactionState, Message, SendResult
-from txn_core.producer import TransactionListener, TransactionProducer
-from txn_core.vocabulary import ConsumeResult
+from txn_core.message import (
+    BatchSendReceipt,
+    BatchSendResult,
+    LocalTransactionState,
+    Message,
+    SendReceipt,
+    SendResult,
+)
+from txn_core.producer import Producer, TransactionListener, TransactionProducer
+from txn_core.vocabulary import ConsumeResult, MessageType
 
 __all__ = [
+    "BatchSendReceipt",
     "BatchSendResult",
     "Broker",
     "BrokerClosedError",
@@ -37,13 +47,18 @@ __all__ = [
     "ConsumedMessage",
     "Consumer",
     "ConsumerClosedError",
+    "CorruptMembershipError",
     "CorruptOffsetError",
     "LocalTransactionState",
     "Message",
+    "MessageType",
     "MessageValidationError",
     "NoListenerError",
     "PersistError",
+    "Producer",
     "PushConsumer",
+    "QueueNotAssignedError",
+    "SendReceipt",
     "SendResult",
     "TransactionListener",
     "TransactionProducer",

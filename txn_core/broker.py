@@ -30,7 +30,7 @@ from txn_core.message import Message, validate_group
 from txn_core.offsets import OffsetAllocator, register_epoch
 from txn_core.storage import Storage, options_for, storage_for, use
 from txn_core.tables import ensure_broker_tables
-from txn_core.vocabulary import Action, Source
+from txn_core.vocabulary import Action, MessageType, Source
 
 log = logging.getLogger(__name__)
 
@@ -142,15 +142,23 @@ class Broker:
 
     # --- writes -------------------------------------------------------------------
 
-    def store_halves(self, group: str, messages: Sequence[Message]) -> StoredMessages:
+    def store_halves(
+        self,
+        group: str,
+        messages: Sequence[Message],
+        message_type: MessageType = MessageType.TRANSACTION,
+    ) -> StoredMessages:
         """Persist half rows for `messages` in one commit; return copies with ids set.
 
+        `message_type` NORMAL stores plain messages: committed by this
+        store, never checked (their `check_immunity_s` is not kept).
         Returns only once the rows are durable (committed); raises PersistError
         when they are not. Columns are built straight from the inputs: this is
         the bulk path's hot loop.
         """
         self._check_open()
         n = len(messages)
+        plain = message_type == MessageType.NORMAL
         offsets = self._offsets.take(n)
         ids = new_message_ids(n)
         bodies = [m.body if type(m.body) is bytes else bytes(m.body) for m in messages]
@@ -166,7 +174,8 @@ class Broker:
             "body": bodies,
             "properties": [list(m.properties.items()) if m.properties else [] for m in messages],
             "born_ms": [self.clock()] * n,
-            "check_immunity_s": [m.check_immunity_s for m in messages],
+            "check_immunity_s": [None] * n if plain else [m.check_immunity_s for m in messages],
+            "message_type": [str(message_type)] * n,
         }
         self._half.submit(columns).result()
         return StoredMessages(messages, bodies, ids, offsets, group)
@@ -213,13 +222,19 @@ class Broker:
 
         Like RocketMQ's operators resuming a message from
         TRANS_CHECK_MAX_TIME_TOPIC, this also overrides a discard. Returns
-        the OP's offset; raises LookupError when no half message has that id.
+        the OP's offset; raises LookupError when no half message has that id,
+        ValueError when it is a plain message's (nothing to decide).
         """
         if not isinstance(transaction_id, str) or not transaction_id:
             raise ValueError("transaction_id must be a non-empty string")
         if not isinstance(commit, bool):
             raise ValueError("commit must be True (commit) or False (rollback)")
         half = self.find_half(transaction_id)
+        if half["message_type"] == MessageType.NORMAL:
+            raise ValueError(
+                f"{transaction_id!r} is a plain (NORMAL) message: committed when it was "
+                "stored, it has no transaction to resolve"
+            )
         return self.store_ops(
             [half["half_offset"]],
             [transaction_id],
@@ -239,7 +254,7 @@ class Broker:
         rows: list[dict[str, Any]] = (
             table.to_pyarrow_dataset()
             .to_table(
-                columns=["half_offset", "producer_group", "topic"],
+                columns=["half_offset", "producer_group", "topic", "message_type"],
                 filter=pc.field("transaction_id") == transaction_id,
             )
             .to_pylist()

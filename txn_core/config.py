@@ -75,6 +75,9 @@ class Config:
     check_budget: str = "answered"
     #: largest message body accepted by the broker core (RocketMQ's 4 MiB default)
     max_body_bytes: int = 4 * 1024 * 1024
+    #: largest plain batch (`Producer.send_batch`) the broker core accepts: the
+    #: sum of its messages' sizes (`txn_core.message.message_size`), RocketMQ's 4 MiB
+    max_batch_bytes: int = 4 * 1024 * 1024
     #: how long a job run's lease lasts without renewal (crashed runs free it after this)
     lease_ttl_s: int = 600
     #: an S3 warehouse's endpoint ("" = AWS's own), e.g. "http://127.0.0.1:9000" for MinIO
@@ -128,6 +131,11 @@ _SPECS: dict[str, tuple[type, Callable[[Any], bool], str]] = {
         int,
         lambda v: 1 <= v <= 256 * 1024 * 1024,
         "an integer from 1 to 268435456 (bytes)",
+    ),
+    "max_batch_bytes": (
+        int,
+        lambda v: 1 <= v <= 1024 * 1024 * 1024,
+        "an integer from 1 to 1073741824 (bytes)",
     ),
     "lease_ttl_s": (int, lambda v: 1 <= v <= 7 * 24 * 3600, "an integer from 1 to 604800 (s)"),
     "s3_endpoint": (

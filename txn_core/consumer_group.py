@@ -7,8 +7,21 @@ polled but not committed is delivered again (at-least-once). A `Consumer`
 polls and commits by hand; a `PushConsumer` hands each message to a listener,
 retries a RECONSUME_LATER with RocketMQ's backoff, dead-letters a message
 after `max_reconsume_times` retries (`_sys/dlq/<group>`) and commits as it
-goes. One consumer process per group and topic is supported: queues are not
-shared out among several members yet (docs/protocol.md §3.2).
+goes.
+
+Several consumers (processes, or objects with distinct `member` ids) of one
+group and topic share the topic's queues. Each is a member: from its first
+poll, commit or seek it appends a heartbeat row to `_sys/consumer_members`
+(at most every `heartbeat_interval_s`, from its own calls), listing the
+queues it holds; `close` appends a leaving row. At each heartbeat a member
+rebalances: the live members (newest row not leaving, not older than
+`member_timeout_s`), sorted, split the sorted queue ids into contiguous
+blocks (`allocate_queues`, RocketMQ's AllocateMessageQueueAveragely). A
+member lets go of a queue that is no longer its own at once, and takes one
+only when no other live member's newest row holds it (and no other member
+claimed it at the same time), starting from the group's committed offset: a
+queue changes hands without being read twice as long as its previous holder
+committed what it polled (docs/protocol.md §3.2).
 
 >>> consumer = Consumer("./warehouse", "billing", "ORDER")        # doctest: +SKIP
 >>> for message in consumer.poll():                               # doctest: +SKIP
@@ -34,9 +47,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable, write_deltalake
-from deltalake.exceptions import TableNotFoundError
+from deltalake.exceptions import CommitFailedError, TableNotFoundError
 
-from schemas import CONSUMER_OFFSETS, DLQ, TOPIC, table_path, topic_path
+from schemas import CONSUMER_MEMBERS, CONSUMER_OFFSETS, DLQ, TOPIC, table_path, topic_path
 from schemas.arrow import arrow_schema
 from txn_core.config import Config, ConfigError
 from txn_core.errors import BrokerClosedError, MessageValidationError, TxnError
@@ -47,12 +60,19 @@ from txn_core.vocabulary import ConsumeResult
 
 __all__ = [
     "DELAY_LEVELS_S",
+    "HEARTBEAT_INTERVAL_S",
+    "MEMBER_TIMEOUT_MAX_S",
+    "MEMBER_TIMEOUT_S",
     "ConsumedMessage",
     "Consumer",
     "ConsumerClosedError",
+    "CorruptMembershipError",
     "CorruptOffsetError",
     "Listener",
     "PushConsumer",
+    "QueueNotAssignedError",
+    "allocate_queues",
+    "read_committed_offsets",
     "retry_delay_s",
     "validate_consumer_group",
 ]
@@ -69,10 +89,28 @@ DELAY_LEVELS_S = (
 
 CONSUMER_GROUP_MAX_LEN = 255
 _GROUP_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+MEMBER_MAX_LEN = 255
+
+#: a member appends a heartbeat row (and rebalances) at most this often
+HEARTBEAT_INTERVAL_S = 10.0
+#: a member whose newest heartbeat is older than this is gone: its queues go to the others
+MEMBER_TIMEOUT_S = 30.0
+#: the longest member_timeout_s: `maintain_consumer_tables` expires older membership rows
+MEMBER_TIMEOUT_MAX_S = 86_400.0
 
 # Both tables are small and appended to by consumers only: no change data
 # feed (the producer tables' setting), just a checkpoint now and then.
 _CONSUMER_TABLE_CONFIG = {"delta.checkpointInterval": "100"}
+# Appends a concurrent maintenance commit made fail, tried again (`_append`).
+_APPEND_ATTEMPTS = 10
+# The membership table gets a row per member every heartbeat: keep its log
+# and removed files for a day only (maintain_consumer_tables expires the rows).
+_MEMBERS_TABLE_CONFIG = {
+    "delta.checkpointInterval": "100",
+    "delta.logRetentionDuration": "interval 1 days",
+    "delta.deletedFileRetentionDuration": "interval 1 days",
+    "delta.enableExpiredLogCleanup": "true",
+}
 
 
 class ConsumerClosedError(BrokerClosedError):
@@ -82,6 +120,17 @@ class ConsumerClosedError(BrokerClosedError):
 class CorruptOffsetError(TxnError, ValueError):
     """A `_sys/consumer_offsets` row of the group cannot be a committed offset
     (e.g. a null or negative next_offset); nothing was read past it or deleted."""
+
+
+class CorruptMembershipError(TxnError, ValueError):
+    """A live-looking `_sys/consumer_members` row of the group cannot be read
+    (e.g. a null member, heartbeat_ms or leaving flag, or a negative queue id);
+    nothing was consumed, no row was deleted."""
+
+
+class QueueNotAssignedError(TxnError, ValueError):
+    """A queue this member does not hold (another member does, or it is being
+    handed over): `seek` refuses it."""
 
 
 def validate_consumer_group(group: object) -> str:
@@ -135,6 +184,73 @@ def _non_negative_int(value: object, name: str) -> int:
     if value < 0:
         raise ConfigError(f"{name} must not be negative, got {value}")
     return value
+
+
+def _positive_seconds(value: object, name: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ConfigError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    return float(value)
+
+
+def _member_settings(heartbeat_interval_s: object, member_timeout_s: object) -> tuple[int, int]:
+    """The heartbeat interval and member timeout, validated, in milliseconds."""
+    interval = _positive_seconds(heartbeat_interval_s, "heartbeat_interval_s")
+    timeout = _positive_seconds(member_timeout_s, "member_timeout_s")
+    if timeout <= interval:
+        raise ConfigError(
+            f"member_timeout_s ({timeout:g}) must be longer than heartbeat_interval_s "
+            f"({interval:g}): a live member would be taken for gone between two heartbeats"
+        )
+    if timeout > MEMBER_TIMEOUT_MAX_S:
+        raise ConfigError(
+            f"member_timeout_s must be at most {MEMBER_TIMEOUT_MAX_S:g} (a day: maintenance "
+            f"expires older membership rows), got {timeout:g}"
+        )
+    return max(1, round(interval * 1000)), max(1, round(timeout * 1000))
+
+
+def _valid_member(member: object) -> str:
+    if member is None:
+        return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    if not isinstance(member, str):
+        raise ConfigError(f"member must be a string, got {type(member).__name__}")
+    if (
+        not member
+        or len(member) > MEMBER_MAX_LEN
+        or not member.isprintable()
+        or member.strip() != member
+    ):
+        raise ConfigError(
+            f"member must be 1..{MEMBER_MAX_LEN} printable characters without leading or "
+            f"trailing spaces, got {member[:40]!r}"
+        )
+    return member
+
+
+def allocate_queues(queue_ids: Collection[int], members: Collection[str], member: str) -> list[int]:
+    """The queues `member` holds when the live `members` share `queue_ids`:
+    RocketMQ's AllocateMessageQueueAveragely.
+
+    Members and queue ids are sorted; with n members and q queues, the i-th
+    member (from 0) gets the i-th of n contiguous blocks of the queue ids, the
+    first q % n blocks holding q // n + 1 queues, the others q // n (none when
+    there are more members than queues). A member not in `members` gets none.
+
+    >>> [allocate_queues(range(8), ["a", "b", "c"], m) for m in "abc"]
+    [[0, 1, 2], [3, 4, 5], [6, 7]]
+    >>> [allocate_queues([3, 9], ["b", "a", "c"], m) for m in "abc"]
+    [[3], [9], []]
+    """
+    ordered = sorted(set(members))
+    if member not in ordered:
+        return []
+    queues = sorted(set(queue_ids))
+    index = ordered.index(member)
+    size, extra = divmod(len(queues), len(ordered))
+    start = index * size + min(index, extra)
+    return queues[start : start + size + (1 if index < extra else 0)]
 
 
 @dataclass(frozen=True)
@@ -203,8 +319,17 @@ def read_committed_offsets(
     Per queue the row with the highest committed_ms wins, ties going to the
     highest next_offset: the result depends on the rows only, not on the
     order in which files are read. Raises CorruptOffsetError naming the group,
-    topic and queue of the first row that holds no usable offset.
+    topic and queue of the first row that holds no usable offset. Reading
+    joins no group: this is how to look at a group's position from outside.
     """
+    newest = _read_committed(warehouse, group, topic, storage_options)
+    return {queue_id: key[1] for queue_id, key in newest.items()}
+
+
+def _read_committed(
+    warehouse: str, group: str, topic: str, storage_options: dict[str, str] | None
+) -> dict[int, tuple[int, int]]:
+    """`read_committed_offsets`, with each winning row's (committed_ms, next_offset)."""
     table = open_existing(warehouse, CONSUMER_OFFSETS, storage_options)
     if table is None:
         return {}
@@ -237,7 +362,7 @@ def read_committed_offsets(
         key = (committed_ms, next_offset)
         if queue_id not in newest or key > newest[queue_id]:
             newest[queue_id] = key
-    return {queue_id: key[1] for queue_id, key in newest.items()}
+    return newest
 
 
 def _resolve_warehouse(warehouse: str | Config) -> str:
@@ -255,12 +380,35 @@ def _valid_topic(topic: object) -> str:
         raise ConfigError(f"topic: {exc.problem}") from None
 
 
-class Consumer:
-    """A pull consumer of one topic in a consumer group.
+def _append(table: DeltaTable, rows: pa.Table) -> None:
+    """Append `rows` to a consumer table. delta-rs refuses an append that a
+    concurrent delete or compaction (`maintain_consumer_tables`) overlaps;
+    nothing was committed then, so it appends again on the new version."""
+    for attempt in range(_APPEND_ATTEMPTS):
+        table.update_incremental()
+        try:
+            write_deltalake(table, rows, mode="append")
+            return
+        except CommitFailedError:
+            if attempt == _APPEND_ATTEMPTS - 1:
+                raise
 
-    `poll` hands out the next messages after the group's committed offsets
-    (and after what it handed out before); `commit` makes everything polled
-    so far the group's committed position. Not thread-safe: one thread polls.
+
+class Consumer:
+    """A pull consumer of one topic in a consumer group: one member of it.
+
+    `poll` hands out the next messages of the queues this member holds, after
+    the group's committed offsets (and after what it handed out before);
+    `commit` makes everything polled so far the group's committed position.
+    Members of a group share the topic's queues (`allocate_queues`); the first
+    `poll`, `commit` or `seek` joins the group, `close` leaves it. Not
+    thread-safe: one thread polls.
+
+    A member heartbeats only from its own calls: one that does not call
+    `poll` or `commit` for `member_timeout_s` (e.g. a batch processed for
+    longer than that) is taken for gone and the others may take its queues;
+    its next call lets go of those they took (what it polled from them and
+    did not commit is delivered again) and keeps the rest.
 
     >>> with Consumer("./warehouse", "billing", "ORDER") as c:       # doctest: +SKIP
     ...     batch = c.poll(100); process(batch); c.commit()
@@ -274,24 +422,39 @@ class Consumer:
         *,
         clock: Callable[[], float] = time.time,
         storage_options: dict[str, str] | None = None,
+        member: str | None = None,
+        heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+        member_timeout_s: float = MEMBER_TIMEOUT_S,
     ):
         self.group = validate_consumer_group(group)
         self.topic = _valid_topic(topic)
         if not callable(clock):
             raise ConfigError(f"clock must be a callable returning seconds, got {clock!r}")
+        self._heartbeat_interval_ms, self._member_timeout_ms = _member_settings(
+            heartbeat_interval_s, member_timeout_s
+        )
+        #: this member's id in the group: host:pid:random unless given (unique per live member)
+        self.member = _valid_member(member)
         self.warehouse = _resolve_warehouse(warehouse)
-        self.member = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._clock = clock
         self._storage_options = storage_options
-        self._committed = read_committed_offsets(
-            self.warehouse, self.group, self.topic, storage_options
-        )
-        # Where the next poll starts, per queue: ahead of the committed offset
-        # by what was handed out since.
-        self._position = dict(self._committed)
+        # The group's newest committed (committed_ms, next_offset) per queue, as known here.
+        self._newest = _read_committed(self.warehouse, self.group, self.topic, storage_options)
+        self._committed = {queue_id: key[1] for queue_id, key in self._newest.items()}
+        # Where the next poll starts, per queue held: ahead of the committed
+        # offset by what was handed out since.
+        self._position: dict[int, int] = {}
+        self._held: set[int] = set()  # the queues this member consumes
+        self._queues: set[int] = set()  # every queue id of the topic known here
+        self._members: tuple[str, ...] = ()  # the live members at the last rebalance
+        self._heartbeat_ms: int | None = None  # this member's last heartbeat; None: not joined
+        self._row_ms = -1  # the heartbeat_ms of this member's last row
+        #: called with the queues this member lets go of (a push consumer drops their state)
+        self._on_revoke: Callable[[set[int]], None] | None = None
         self._last_turn = -1  # the queue whose message a poll handed out last
         self._topic_table: DeltaTable | None = None
         self._offsets_table: DeltaTable | None = None
+        self._members_table: DeltaTable | None = None
         self._closed = False
 
     def __enter__(self) -> Consumer:
@@ -301,17 +464,26 @@ class Consumer:
         self.close()
 
     def positions(self) -> dict[int, int]:
-        """The next offset `poll` hands out, per queue seen so far."""
+        """The next offset `poll` hands out, per queue held."""
         return dict(self._position)
 
     def committed(self) -> dict[int, int]:
-        """The group's committed next offset per queue, as this consumer knows it."""
+        """The group's committed next offset per queue, as this consumer knows
+        it (read when it was made; a queue's is read again when it is taken)."""
         return dict(self._committed)
 
+    def assignment(self) -> list[int]:
+        """The queue ids this member holds now, sorted ([] before it joined)."""
+        return sorted(self._held)
+
+    def members(self) -> list[str]:
+        """The group's live members on this topic at the last rebalance, sorted."""
+        return list(self._members)
+
     def poll(self, max_messages: int = 32) -> list[ConsumedMessage]:
-        """Up to `max_messages` next messages, each queue's in offset order and
-        the queues taken in turn; [] when there is nothing new (or no topic
-        table yet)."""
+        """Up to `max_messages` next messages of the queues held, each queue's
+        in offset order and the queues taken in turn; [] when there is
+        nothing new (or no topic table yet)."""
         return self._poll(_positive_int(max_messages, "max_messages"), skip=())
 
     def seek(self, queue_id: int, offset: int) -> None:
@@ -319,28 +491,268 @@ class Consumer:
 
         In memory only: a commit still moves the committed offset forward
         only, so seeking back redelivers to this consumer but not after a
-        restart.
+        restart. A queue not held by this member raises QueueNotAssignedError
+        (a queue id never seen before counts as a new queue of the topic).
         """
         self._check_open()
-        self._position[_non_negative_int(queue_id, "queue_id")] = _non_negative_int(
-            offset, "offset"
-        )
+        queue_id = _non_negative_int(queue_id, "queue_id")
+        offset = _non_negative_int(offset, "offset")
+        self._heartbeat_if_due()
+        if queue_id not in self._held and queue_id not in self._queues:
+            self._queues.add(queue_id)
+            self._rebalance()
+        if queue_id not in self._held:
+            raise QueueNotAssignedError(
+                f"queue {queue_id} of topic {self.topic!r} is not held by member "
+                f"{self.member!r} of group {self.group!r} (it holds {self.assignment()}): "
+                "another member holds it, or it is being handed over"
+            )
+        self._position[queue_id] = offset
 
     def commit(self) -> dict[int, int]:
-        """Commit everything polled so far; returns the offsets written
-        (queues whose committed offset moved forward), {} when none did."""
+        """Commit everything polled so far from the queues still held; returns
+        the offsets written (queues whose committed offset moved forward), {}
+        when none did."""
         return self._commit(self._position)
 
     def close(self) -> None:
-        """Stop; polled messages not committed are delivered again to the
-        group's next consumer."""
+        """Leave the group: a leaving row hands this member's queues to the
+        others at their next heartbeat. Does not commit: polled messages not
+        committed are delivered again. If the row cannot be written (logged),
+        the others take over after member_timeout_s."""
+        if self._closed:
+            return
         self._closed = True
+        self._held.clear()
+        self._position.clear()
+        if self._heartbeat_ms is None:
+            return  # never joined
+        try:
+            self._write_member_row(self._now_ms(), [], leaving=True)
+        except Exception:  # noqa: BLE001 - the timeout hands the queues over instead
+            _log.warning(
+                "consumer %s/%s: member %s could not record that it leaves; the others take "
+                "over its queues after member_timeout_s",
+                self.group,
+                self.topic,
+                self.member,
+                exc_info=True,
+            )
 
     def _check_open(self) -> None:
         if self._closed:
             raise ConsumerClosedError(
                 f"the consumer of group {self.group!r} on topic {self.topic!r} is closed"
             )
+
+    def _now_ms(self) -> int:
+        return int(self._clock() * 1000)
+
+    # --- membership -----------------------------------------------------------
+
+    def _expired(self) -> bool:
+        """Whether this member's last heartbeat is older than the timeout, so
+        that the others take it for gone."""
+        return (
+            self._heartbeat_ms is not None
+            and self._now_ms() - self._heartbeat_ms > self._member_timeout_ms
+        )
+
+    def _heartbeat_if_due(self) -> None:
+        """Join, or heartbeat and rebalance when heartbeat_interval_s has passed."""
+        if (
+            self._heartbeat_ms is None
+            or self._now_ms() - self._heartbeat_ms >= self._heartbeat_interval_ms
+        ):
+            self._rebalance()
+
+    def _rebalance(self) -> None:
+        """Read the live members, let go of the queues no longer this member's,
+        claim those of its own that no other live member holds, append this
+        member's heartbeat row (the queues it holds and claims), and read
+        again: a claim another member made meanwhile wins (`_confirm`)."""
+        now_ms = self._now_ms()
+        if self._heartbeat_ms is None:
+            self._queues |= self._discover_queues()
+        # Back after the others may have taken it for gone: what it held is
+        # kept only where nobody took over meanwhile (checked as a claim is).
+        suspect = set(self._held) if self._expired() else set()
+        if suspect:
+            _log.warning(
+                "consumer %s/%s: member %s did not heartbeat for %d ms (member_timeout_s is "
+                "%d ms): it keeps of its queues %s those nobody took over meanwhile",
+                self.group,
+                self.topic,
+                self.member,
+                now_ms - (self._heartbeat_ms or 0),
+                self._member_timeout_ms,
+                sorted(suspect),
+            )
+        others = self._read_members(now_ms)
+        held_by_others: set[int] = set().union(*others.values())
+        self._queues |= held_by_others
+        members = sorted({*others, self.member})
+        target = set(allocate_queues(self._queues, members, self.member))
+        if (self._held - target) | (suspect & held_by_others):
+            self._revoke((self._held - target) | (suspect & held_by_others))
+        suspect &= self._held
+        claimed = target - self._held - held_by_others
+        self._write_member_row(now_ms, sorted(self._held | claimed), leaving=False)
+        self._heartbeat_ms = now_ms
+        self._members = tuple(members)
+        if claimed or suspect:
+            self._confirm(claimed, suspect, now_ms)
+        if target - self._held:
+            _log.info(
+                "consumer %s/%s: member %s of %s holds %s, waits for %s",
+                self.group,
+                self.topic,
+                self.member,
+                members,
+                sorted(self._held),
+                sorted(target - self._held),
+            )
+
+    def _confirm(self, claimed: set[int], suspect: set[int], now_ms: int) -> None:
+        """Take the `claimed` queues, and keep the `suspect` ones (held through
+        a timeout), that no other live member claims now.
+
+        Two members that claim a queue at the same time each read again after
+        their own row: the later of the two rows is in the later reader's
+        view, so at least one of them lets go (both may, and claim it again
+        at a later heartbeat): a queue is never taken by two. Each queue
+        taken starts at the group's committed offset, which its previous
+        holder wrote before it let go; a suspect queue whose offset another
+        member committed meanwhile starts there again too.
+        """
+        taken = set().union(*self._read_members(now_ms).values())
+        if suspect & taken:
+            self._revoke(suspect & taken)
+        gained = claimed - taken
+        if (claimed | suspect) & taken:
+            _log.info(
+                "consumer %s/%s: member %s lets go of %s, claimed by another member",
+                self.group,
+                self.topic,
+                self.member,
+                sorted((claimed | suspect) & taken),
+            )
+            self._write_member_row(now_ms, sorted(self._held | gained), leaving=False)
+        suspect -= taken
+        if not gained and not suspect:
+            return
+        newest = _read_committed(self.warehouse, self.group, self.topic, self._storage_options)
+        moved_meanwhile = {q for q in suspect if newest.get(q) != self._newest.get(q)}
+        if moved_meanwhile:
+            self._revoke(moved_meanwhile)
+            gained |= moved_meanwhile
+        for queue_id, key in newest.items():
+            if queue_id not in self._held:
+                self._newest[queue_id] = key
+                self._committed[queue_id] = key[1]
+        for queue_id in gained:
+            self._position[queue_id] = self._committed.get(queue_id, 0)
+        self._held |= gained
+
+    def _revoke(self, queues: set[int]) -> None:
+        """Let go of `queues`: forget their positions, commit for them no more."""
+        for queue_id in queues:
+            self._position.pop(queue_id, None)
+        self._held -= queues
+        if self._on_revoke is not None:
+            self._on_revoke(set(queues))
+
+    def _members_handle(self) -> DeltaTable:
+        if self._members_table is None:
+            self._members_table = open_or_create(
+                self.warehouse,
+                CONSUMER_MEMBERS,
+                configuration=_MEMBERS_TABLE_CONFIG,
+                storage_options=self._storage_options,
+            )
+        return self._members_table
+
+    def _write_member_row(self, now_ms: int, queues: list[int], *, leaving: bool) -> None:
+        # Each row of a member is newer than its last one, even within a millisecond.
+        self._row_ms = max(now_ms, self._row_ms + 1)
+        row = {
+            "group": self.group,
+            "topic": self.topic,
+            "member": self.member,
+            "heartbeat_ms": self._row_ms,
+            "leaving": leaving,
+            "queues": queues,
+        }
+        _append(
+            self._members_handle(),
+            pa.Table.from_pylist([row], schema=arrow_schema(CONSUMER_MEMBERS)),
+        )
+
+    def _read_members(self, now_ms: int) -> dict[str, frozenset[int]]:
+        """The other live members of the group on the topic and the queues each
+        holds (its newest row, not leaving, not older than member_timeout_s)."""
+        table = self._members_handle()
+        table.update_incremental()
+        heartbeat = pc.field("heartbeat_ms")
+        # Files whose heartbeats are all older than the timeout are not opened
+        # (delta-rs gives pyarrow each file's min/max as its guarantee).
+        condition = (
+            (pc.field("group") == self.group)
+            & (pc.field("topic") == self.topic)
+            & ((heartbeat >= now_ms - self._member_timeout_ms) | heartbeat.is_null())
+        )
+        rows = (
+            table.to_pyarrow_dataset()
+            .to_table(filter=condition, columns=["member", "heartbeat_ms", "leaving", "queues"])
+            .to_pylist()
+        )
+        newest: dict[str, tuple[int, bool, list[int]]] = {}
+        for row in rows:
+            member, heartbeat_ms, leaving, queues = (
+                row["member"],
+                row["heartbeat_ms"],
+                row["leaving"],
+                row["queues"],
+            )
+            problem = None
+            if member is None or not member:
+                problem = f"member is {member!r}"
+            elif heartbeat_ms is None:
+                problem = "heartbeat_ms is None"
+            elif leaving is None:
+                problem = "leaving is None"
+            elif queues is None or any(q is None or q < 0 for q in queues):
+                problem = f"queues is {queues!r}"
+            if problem is not None:
+                raise CorruptMembershipError(
+                    f"{table_path(self.warehouse, CONSUMER_MEMBERS)}: a row of group "
+                    f"{self.group!r}, topic {self.topic!r}, member {member!r} is corrupt "
+                    f"({problem}); nothing was consumed. Fix or delete that row by hand"
+                )
+            if member == self.member:
+                continue  # this member's state is the one in memory
+            # A member's newest row is its state; at the same time, leaving wins.
+            if member not in newest or (heartbeat_ms, leaving) > newest[member][:2]:
+                newest[member] = (heartbeat_ms, leaving, queues)
+        return {
+            member: frozenset(queues)
+            for member, (_, leaving, queues) in newest.items()
+            if not leaving
+        }
+
+    def _discover_queues(self) -> set[int]:
+        """The topic's queue ids: those with a message at offset 0 (offsets are
+        dense from 0 per queue), and those the group committed."""
+        found = set(self._committed)
+        table = self._open_topic()
+        if table is not None:
+            rows = table.to_pyarrow_dataset().to_table(
+                filter=pc.field("queue_offset") == 0, columns=["queue_id"]
+            )
+            found.update(pc.unique(rows["queue_id"]).to_pylist())
+        return found
+
+    # --- reading and committing -------------------------------------------------
 
     def _open_topic(self) -> DeltaTable | None:
         if self._topic_table is not None:
@@ -355,27 +767,44 @@ class Consumer:
             return None  # nothing delivered to the topic yet
         return self._topic_table
 
-    def _poll(self, max_messages: int, skip: Collection[int]) -> list[ConsumedMessage]:
-        """`poll`, leaving out the queues in `skip` (a push consumer's busy ones)."""
-        self._check_open()
-        table = self._open_topic()
-        if table is None:
-            return []
+    def _read(self, table: DeltaTable, max_messages: int, skip: Collection[int]) -> pa.Table:
+        """The next batch of each queue held but `skip`, and the first message
+        of each queue not known here yet."""
         queue, offset = pc.field("queue_id"), pc.field("queue_offset")
+        condition = offset == 0
+        if self._queues:
+            condition = condition & ~queue.isin(sorted(self._queues))
         # Offsets are dense, so each queue's next batch is one offset range:
         # the scan reads no more than it hands out.
-        condition = (~queue.isin(list(self._position))) & (offset < max_messages)
-        for queue_id, start in self._position.items():
+        for queue_id in sorted(self._held):
             if queue_id not in skip:
+                start = self._position[queue_id]
                 condition = condition | (
                     (queue == queue_id) & (offset >= start) & (offset < start + max_messages)
                 )
-        rows = table.to_pyarrow_dataset().to_table(filter=condition, columns=TOPIC.names)
+        return table.to_pyarrow_dataset().to_table(filter=condition, columns=TOPIC.names)
+
+    def _poll(self, max_messages: int, skip: Collection[int]) -> list[ConsumedMessage]:
+        """`poll`, leaving out the queues in `skip` (a push consumer's busy ones)."""
+        self._check_open()
+        self._heartbeat_if_due()
+        table = self._open_topic()
+        if table is None:
+            return []
+        rows = self._read(table, max_messages, skip)
+        new_queues = set(pc.unique(rows["queue_id"]).to_pylist()) - self._queues
+        if new_queues:
+            # A queue appeared: share it out now, not at the next heartbeat.
+            self._queues |= new_queues
+            self._rebalance()
+            rows = self._read(table, max_messages, skip)
         rows = rows.sort_by([("queue_id", "ascending"), ("queue_offset", "ascending")])
         by_queue: dict[int, list[ConsumedMessage]] = {}
         for row in rows.to_pylist():
+            if row["queue_id"] not in self._held or row["queue_id"] in skip:
+                continue  # another member's new queue
             messages = by_queue.setdefault(row["queue_id"], [])
-            expected = self._position.get(row["queue_id"], 0) + len(messages)
+            expected = self._position[row["queue_id"]] + len(messages)
             # A gap means the rest of the queue is not there yet: stop at it.
             if row["queue_offset"] == expected:
                 messages.append(ConsumedMessage.from_row(self.topic, row))
@@ -394,12 +823,21 @@ class Consumer:
         return polled
 
     def _commit(self, next_offsets: Mapping[int, int]) -> dict[int, int]:
-        """Append an offsets row for each queue whose offset moves forward."""
+        """Append an offsets row for each queue held whose offset moves forward,
+        then heartbeat if due: a queue let go of at that rebalance goes with its
+        offset committed."""
         self._check_open()
+        if self._expired():
+            self._rebalance()  # taken for gone: it commits for no queue another took over
+        moved = self._write_offsets(next_offsets)
+        self._heartbeat_if_due()
+        return moved
+
+    def _write_offsets(self, next_offsets: Mapping[int, int]) -> dict[int, int]:
         moved = {
             queue_id: next_offset
             for queue_id, next_offset in sorted(next_offsets.items())
-            if next_offset > self._committed.get(queue_id, 0)
+            if queue_id in self._held and next_offset > self._committed.get(queue_id, 0)
         }
         if not moved:
             return {}
@@ -410,7 +848,12 @@ class Consumer:
                 configuration=_CONSUMER_TABLE_CONFIG,
                 storage_options=self._storage_options,
             )
-        committed_ms = int(self._clock() * 1000)
+        now_ms = self._now_ms()
+        # A row sorts after the one it supersedes even if this member's clock
+        # is behind the previous holder's: the newest row stays the newest.
+        stamps = {
+            queue_id: max(now_ms, self._newest.get(queue_id, (-1, 0))[0] + 1) for queue_id in moved
+        }
         rows = [
             {
                 "group": self.group,
@@ -418,17 +861,15 @@ class Consumer:
                 "queue_id": queue_id,
                 "next_offset": next_offset,
                 "member": self.member,
-                "committed_ms": committed_ms,
+                "committed_ms": stamps[queue_id],
             }
             for queue_id, next_offset in moved.items()
         ]
-        self._offsets_table.update_incremental()
-        write_deltalake(
-            self._offsets_table,
-            pa.Table.from_pylist(rows, schema=arrow_schema(CONSUMER_OFFSETS)),
-            mode="append",
+        _append(
+            self._offsets_table, pa.Table.from_pylist(rows, schema=arrow_schema(CONSUMER_OFFSETS))
         )
         self._committed.update(moved)
+        self._newest.update((q, (stamps[q], moved[q])) for q in moved)
         return moved
 
 
@@ -456,7 +897,9 @@ class PushConsumer:
     message goes to `_sys/dlq/<group>` and its queue moves on. Offsets are
     committed after each round, up to each queue's first unfinished message.
     Retries are counted in memory: a restarted consumer delivers from the
-    committed offset again, with fresh counts.
+    committed offset again, with fresh counts. Several push consumers of a
+    group share the topic's queues as `Consumer`s do; a queue taken over by
+    another member loses its buffered messages and retries here.
 
     >>> def listener(message):                                      # doctest: +SKIP
     ...     handle(message.body)
@@ -477,6 +920,9 @@ class PushConsumer:
         clock: Callable[[], float] = time.time,
         storage_options: dict[str, str] | None = None,
         idle_wait_s: float = 0.2,
+        member: str | None = None,
+        heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+        member_timeout_s: float = MEMBER_TIMEOUT_S,
     ):
         if not callable(listener):
             raise ConfigError(f"listener must be a callable, got {type(listener).__name__}")
@@ -487,8 +933,16 @@ class PushConsumer:
                 f"idle_wait_s must be a positive number of seconds, got {idle_wait_s!r}"
             )
         self.consumer = Consumer(
-            warehouse, group, topic, clock=clock, storage_options=storage_options
+            warehouse,
+            group,
+            topic,
+            clock=clock,
+            storage_options=storage_options,
+            member=member,
+            heartbeat_interval_s=heartbeat_interval_s,
+            member_timeout_s=member_timeout_s,
         )
+        self.consumer._on_revoke = self._revoked
         self._listener = listener
         self._clock = clock
         self._idle_wait_s = float(idle_wait_s)
@@ -505,6 +959,15 @@ class PushConsumer:
     @property
     def group(self) -> str:
         return self.consumer.group
+
+    @property
+    def member(self) -> str:
+        return self.consumer.member
+
+    def assignment(self) -> list[int]:
+        """The queue ids this member holds now (safe beside the background thread)."""
+        with self._lock:
+            return self.consumer.assignment()
 
     @property
     def topic(self) -> str:
@@ -539,7 +1002,8 @@ class PushConsumer:
         self._thread.start()
 
     def shutdown(self, timeout_s: float | None = 30.0) -> None:
-        """Stop the background thread (the round under way finishes) and close."""
+        """Stop the background thread (the round under way finishes, and
+        commits) and close: leave the group, handing the queues over."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
@@ -550,6 +1014,13 @@ class PushConsumer:
                 )
         with self._lock:
             self.consumer.close()
+
+    def _revoked(self, queues: set[int]) -> None:
+        """Another member takes these queues over: forget their buffered
+        messages and retries (their new holder starts at the committed offset)."""
+        for queue_id in queues:
+            self._buffers.pop(queue_id, None)
+            self._retries.pop(queue_id, None)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -623,10 +1094,7 @@ class PushConsumer:
             "reason": retry.reason,
             "dead_ms": int(self._clock() * 1000),
         }
-        self._dlq_table.update_incremental()
-        write_deltalake(
-            self._dlq_table, pa.Table.from_pylist([row], schema=arrow_schema(DLQ)), mode="append"
-        )
+        _append(self._dlq_table, pa.Table.from_pylist([row], schema=arrow_schema(DLQ)))
         _log.warning(
             "push consumer %s: %s queue %d offset %d dead-lettered after %d retries: %s",
             self.group,

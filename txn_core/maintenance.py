@@ -8,6 +8,13 @@ vacuums unreferenced files, and — the only deletion of half or OP rows
 anywhere (I5) — purges messages that the job has resolved
 (COMMIT or ROLLBACK in `_sys/resolved`) and that are older than
 `reserved_hours`. Run it from any one producer process, e.g. hourly.
+
+`maintain_consumer_tables` (which `maintain` runs too) keeps the consumer
+groups' two append-only tables small: it expires `_sys/consumer_members`
+rows older than a day (`MEMBER_TIMEOUT_MAX_S`, the longest member timeout)
+and deletes the `_sys/consumer_offsets` rows that a newer row of the same
+group, topic and queue supersedes, then compacts, checkpoints and vacuums
+both. A corrupt row (a null where a value must be) is never deleted.
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ import pyarrow.compute as pc
 from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
-from schemas import CHECK_ANSWERS, HALF, OP, RESOLVED
+from schemas import CHECK_ANSWERS, CONSUMER_MEMBERS, CONSUMER_OFFSETS, HALF, OP, RESOLVED
 from txn_core.broker import Broker
+from txn_core.consumer_group import MEMBER_TIMEOUT_MAX_S
 from txn_core.log_trim import job_cursor, trim_log
 from txn_core.tables import open_existing
 
@@ -37,6 +45,8 @@ class MaintenanceReport:
     purged_ops: int = 0
     vacuumed_files: int = 0
     trimmed_log_entries: int = 0
+    expired_member_rows: int = 0
+    superseded_offset_rows: int = 0
 
     def to_dict(self) -> dict[str, int | dict[str, int]]:
         return {
@@ -45,19 +55,35 @@ class MaintenanceReport:
             "purged_ops": self.purged_ops,
             "vacuumed_files": self.vacuumed_files,
             "trimmed_log_entries": self.trimmed_log_entries,
+            "expired_member_rows": self.expired_member_rows,
+            "superseded_offset_rows": self.superseded_offset_rows,
         }
 
 
 def maintain(
-    broker: Broker, now_ms: int | None = None, *, purge: bool = True, vacuum: bool = True
+    broker: Broker,
+    now_ms: int | None = None,
+    *,
+    purge: bool = True,
+    vacuum: bool = True,
+    consumers: bool = True,
 ) -> MaintenanceReport:
     """Compact, checkpoint, clean the log, vacuum and purge; returns what was done.
 
+    With `consumers`, the consumer groups' tables too (`maintain_consumer_tables`).
     A commit that loses a race with a concurrent producer commit is skipped
     and logged; the next maintenance pass does it.
     """
     now_ms = broker.clock() if now_ms is None else now_ms
     report = MaintenanceReport()
+    if consumers:
+        maintain_consumer_tables(
+            broker.warehouse,
+            now_ms,
+            storage_options=broker.storage_options,
+            vacuum=vacuum,
+            report=report,
+        )
     if purge:
         report.purged_halves, report.purged_ops = purge_resolved(broker, now_ms)
     for table in (HALF, OP, CHECK_ANSWERS):
@@ -113,10 +139,17 @@ def purge_resolved(broker: Broker, now_ms: int) -> tuple[int, int]:
 
 
 def _delete_offsets(table: DeltaTable, column: str, offsets: list[int]) -> int:
-    deleted = 0
+    predicates = []
     for start in range(0, len(offsets), _PURGE_CHUNK):
         chunk = offsets[start : start + _PURGE_CHUNK]
-        predicate = f"{column} IN ({', '.join(str(int(o)) for o in chunk)})"
+        predicates.append(f"{column} IN ({', '.join(str(int(o)) for o in chunk)})")
+    return _delete_where(table, predicates)
+
+
+def _delete_where(table: DeltaTable, predicates: list[str]) -> int:
+    """Delete the rows matching each predicate in turn; returns how many."""
+    deleted = 0
+    for predicate in predicates:
         for _attempt in range(20):
             table.update_incremental()
             try:
@@ -129,4 +162,88 @@ def _delete_offsets(table: DeltaTable, column: str, offsets: list[int]) -> int:
     return deleted
 
 
-__all__ = ["MaintenanceReport", "maintain", "purge_resolved"]
+# --- the consumer groups' tables ----------------------------------------------------
+
+# Keys (group, topic, queue) per DELETE predicate of superseded offsets.
+_OFFSET_KEYS_PER_DELETE = 200
+
+
+def maintain_consumer_tables(
+    warehouse: str,
+    now_ms: int,
+    *,
+    storage_options: dict[str, str] | None = None,
+    vacuum: bool = True,
+    report: MaintenanceReport | None = None,
+) -> MaintenanceReport:
+    """Expire `_sys/consumer_members` rows with a heartbeat more than a day
+    before `now_ms`, delete superseded `_sys/consumer_offsets` rows, then
+    compact, checkpoint, clean the log of and vacuum both tables (a missing
+    table is skipped). Safe beside running consumers: neither kind of row is
+    read again by anyone (a live member heartbeats well within a day; the
+    newest offsets row of each queue stays), and a consumer's append that
+    one of these commits overlaps is made again (`consumer_group._append`).
+    Adds to `report` if given.
+    """
+    report = MaintenanceReport() if report is None else report
+    members = open_existing(warehouse, CONSUMER_MEMBERS, storage_options)
+    if members is not None:
+        cutoff = now_ms - int(MEMBER_TIMEOUT_MAX_S * 1000)
+        report.expired_member_rows += _delete_where(members, [f'"heartbeat_ms" < {cutoff}'])
+        _tidy(members, CONSUMER_MEMBERS.path, report, vacuum)
+    offsets = open_existing(warehouse, CONSUMER_OFFSETS, storage_options)
+    if offsets is not None:
+        report.superseded_offset_rows += _delete_where(offsets, _superseded_offsets(offsets))
+        _tidy(offsets, CONSUMER_OFFSETS.path, report, vacuum)
+    return report
+
+
+def _superseded_offsets(table: DeltaTable) -> list[str]:
+    """DELETE predicates of the offsets rows older than the newest of their
+    (group, topic, queue_id): the committed_ms order decides (the reader's
+    rule, `txn_core.consumer_group.read_committed_offsets`), so a row
+    committed meanwhile is newer still and stays."""
+    rows = table.to_pyarrow_dataset().to_table(
+        columns=["group", "topic", "queue_id", "committed_ms"]
+    )
+    newest: dict[tuple[str, str, int], int] = {}
+    older: set[tuple[str, str, int]] = set()
+    for row in rows.to_pylist():
+        key = (row["group"], row["topic"], row["queue_id"])
+        committed_ms = row["committed_ms"]
+        if None in key or committed_ms is None:
+            continue  # corrupt: left for an operator (the reader names it)
+        if key in newest and newest[key] != committed_ms:
+            older.add(key)
+        newest[key] = max(committed_ms, newest.get(key, committed_ms))
+    clauses = [
+        f'("group" = {_sql_string(key[0])} AND "topic" = {_sql_string(key[1])} '
+        f'AND "queue_id" = {int(key[2])} AND "committed_ms" < {int(newest[key])})'
+        for key in sorted(older)
+    ]
+    return [
+        " OR ".join(clauses[start : start + _OFFSET_KEYS_PER_DELETE])
+        for start in range(0, len(clauses), _OFFSET_KEYS_PER_DELETE)
+    ]
+
+
+def _sql_string(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _tidy(table: DeltaTable, path: str, report: MaintenanceReport, vacuum: bool) -> None:
+    """Compact, checkpoint, clean the log and vacuum a consumer table."""
+    table.update_incremental()
+    try:
+        metrics = table.optimize.compact()
+        report.compacted_files[path] = int(metrics.get("numFilesRemoved", 0))
+    except CommitFailedError as exc:
+        log.info("compaction of %s lost a race (%s); next pass", path, exc)
+    table.update_incremental()
+    table.create_checkpoint()
+    table.cleanup_metadata()
+    if vacuum:
+        report.vacuumed_files += len(table.vacuum(dry_run=False))
+
+
+__all__ = ["MaintenanceReport", "maintain", "maintain_consumer_tables", "purge_resolved"]

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from txn_core.errors import MessageValidationError
-from txn_core.vocabulary import TOPIC_MAX_LEN, Action, is_system_topic
+from txn_core.vocabulary import RETRY_TOPIC_PREFIXES, TOPIC_MAX_LEN, Action, is_system_topic
 
 # RocketMQ's Validators: topic and group names.
 _NAME_RE = re.compile(r"^[%|a-zA-Z0-9_-]+$")
@@ -39,10 +39,11 @@ class LocalTransactionState(str, enum.Enum):
 
 @dataclass
 class Message:
-    """A message to send in a transaction.
+    """A message to send: in a transaction (`TransactionProducer`), or plain
+    (`Producer.send`).
 
-    After a send (and in the listener's calls) `transaction_id`, `msg_id` and
-    `half_offset` are filled in, as RocketMQ sets `msg.transactionId`.
+    In a listener's calls `transaction_id`, `msg_id` and `half_offset` are
+    filled in, as RocketMQ sets `msg.transactionId`.
 
     >>> Message(topic="ORDER", body=b"{}", keys="order-42", tags="created").topic
     'ORDER'
@@ -54,9 +55,11 @@ class Message:
     tags: str | None = None
     properties: Mapping[str, str] | None = None
     queue_id: int = 0
+    #: the first back-check's delay; a plain message is never checked and
+    #: ignores it
     check_immunity_s: int | None = None
     #: RocketMQ delay level; transactions ignore it (a single send clears it,
-    #: a batch refuses it).
+    #: a batch refuses it), a plain send refuses it (not supported yet).
     delay_level: int = 0
     transaction_id: str | None = None
     msg_id: str | None = None
@@ -118,8 +121,9 @@ def validate_message(msg: object, max_body_bytes: int, *, in_batch: bool = False
     return msg
 
 
-def _validate_fields(msg: Message, max_body_bytes: int, in_batch: bool) -> None:
-    """Everything but the topic. Plain type() tests first: this runs per message."""
+def _validate_fields(msg: Message, max_body_bytes: int, in_batch: bool) -> int:
+    """Everything but the topic; returns the body's size. Plain type() tests
+    first: this runs per message."""
     body = msg.body
     if type(body) is bytes:
         size = len(body)
@@ -147,6 +151,22 @@ def _validate_fields(msg: Message, max_body_bytes: int, in_batch: bool) -> None:
             raise MessageValidationError("delay_level", "a batch must not carry a delay level")
     if msg.properties:
         _validate_properties(msg.properties)
+    return size
+
+
+def message_size(msg: Message, body_size: int) -> int:
+    """What a message counts toward a batch's `max_batch_bytes`: its body's
+    `body_size` bytes plus the UTF-8 bytes of its keys, tags and property
+    names and values (RocketMQ counts its encoded message; the topic, the
+    same for the whole batch, and fixed overheads are left out here)."""
+    size = body_size
+    if msg.keys:
+        size += len(msg.keys.encode())
+    if msg.tags:
+        size += len(msg.tags.encode())
+    if msg.properties:
+        size += sum(len(k.encode()) + len(v.encode()) for k, v in msg.properties.items())
+    return size
 
 
 def _validate_properties(properties: object) -> None:
@@ -168,8 +188,13 @@ def _validate_properties(properties: object) -> None:
                 )
 
 
-def validate_batch(messages: object, max_body_bytes: int) -> Sequence[Message]:
-    """RocketMQ's batch rules: non-empty, one topic, no delay; each message valid."""
+def validate_batch(
+    messages: object, max_body_bytes: int, *, max_batch_bytes: int | None = None
+) -> Sequence[Message]:
+    """RocketMQ's batch rules: non-empty, one topic, not a retry or
+    dead-letter topic (`%RETRY%…`, `%DLQ%…`), no delay; each message valid;
+    with `max_batch_bytes`, the messages' sizes (`message_size`) add up to
+    at most that."""
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
         raise MessageValidationError("messages", "must be a sequence of Message")
     if not messages:
@@ -184,6 +209,12 @@ def validate_batch(messages: object, max_body_bytes: int) -> Sequence[Message]:
         validate_topic(topic)  # once: every message must carry this same topic
     except MessageValidationError as exc:
         raise MessageValidationError(f"messages[0].{exc.field}", exc.problem) from None
+    if topic.startswith(RETRY_TOPIC_PREFIXES):
+        raise MessageValidationError(
+            "messages[0].topic",
+            f"{topic!r} is a retry or dead-letter topic; a batch cannot go there",
+        )
+    total = 0
     for i, msg in enumerate(messages):
         if type(msg) is not Message and not isinstance(msg, Message):
             raise MessageValidationError(
@@ -195,10 +226,31 @@ def validate_batch(messages: object, max_body_bytes: int) -> Sequence[Message]:
                 f"a batch must share one topic; messages[{i}] has {msg.topic!r}, not {topic!r}",
             )
         try:
-            _validate_fields(msg, max_body_bytes, in_batch=True)
+            size = _validate_fields(msg, max_body_bytes, in_batch=True)
         except MessageValidationError as exc:
             raise MessageValidationError(f"messages[{i}].{exc.field}", exc.problem) from None
+        if max_batch_bytes is not None:
+            total += message_size(msg, size)
+    if max_batch_bytes is not None and total > max_batch_bytes:
+        raise MessageValidationError(
+            "messages",
+            f"the batch is {total} bytes (bodies, keys, tags and properties of its "
+            f"{len(messages)} messages); the limit is max_batch_bytes = {max_batch_bytes}: "
+            "send it in smaller batches",
+        )
     return messages
+
+
+def validate_plain(msg: object, max_body_bytes: int) -> Message:
+    """A single plain message (`Producer.send`): every field as
+    `validate_message`, and no delay level (delayed delivery is not
+    supported yet: refused rather than delivered early)."""
+    message = validate_message(msg, max_body_bytes)
+    if message.delay_level:
+        raise MessageValidationError(
+            "delay_level", "delayed messages are not supported yet; send without a delay level"
+        )
+    return message
 
 
 @dataclass
@@ -233,3 +285,42 @@ class BatchSendResult:
 
     def __len__(self) -> int:
         return len(self.transaction_ids)
+
+
+@dataclass(frozen=True)
+class SendReceipt:
+    """Outcome of `Producer.send` (RocketMQ 5's SendReceipt): the message is
+    durable in `_sys/half`, and the job delivers it to `topic` at its next
+    run. Its `queue_offset` is given then, by the job (docs/protocol.md §4.3).
+
+    >>> receipt = producer.send(Message(topic="ORDER", body=b"{}"))   # doctest: +SKIP
+    >>> receipt.msg_id, receipt.send_status                          # doctest: +SKIP
+    ('7F3A…', 'SEND_OK')
+    """
+
+    msg_id: str
+    #: the message's offset in `_sys/half` (unique, not dense); its
+    #: `transaction_id` column equals `msg_id`
+    half_offset: int
+    topic: str
+    queue_id: int
+    send_status: str = "SEND_OK"
+
+
+@dataclass(frozen=True)
+class BatchSendReceipt:
+    """Outcome of `Producer.send_batch`: every message durable, in one commit.
+
+    >>> receipt = producer.send_batch([Message(topic="ORDER", body=b"a"),
+    ...                                Message(topic="ORDER", body=b"b")])  # doctest: +SKIP
+    >>> len(receipt), receipt.topic                                      # doctest: +SKIP
+    (2, 'ORDER')
+    """
+
+    msg_ids: list[str]
+    half_offsets: list[int]
+    topic: str
+    send_status: str = "SEND_OK"
+
+    def __len__(self) -> int:
+        return len(self.msg_ids)

@@ -1,4 +1,5 @@
-"""TransactionProducer and TransactionListener (RocketMQ's DefaultMQProducerImpl rules)."""
+"""Producer (plain sends and batches), TransactionProducer and
+TransactionListener (RocketMQ's DefaultMQProducerImpl rules)."""
 
 from __future__ import annotations
 
@@ -6,20 +7,24 @@ import abc
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 from txn_core.broker import Broker, StoredMessages
 from txn_core.checks import CheckAnswerer
 from txn_core.errors import NoListenerError, PersistError
 from txn_core.message import (
+    BatchSendReceipt,
     BatchSendResult,
     LocalTransactionState,
     Message,
+    SendReceipt,
     SendResult,
     validate_batch,
     validate_group,
     validate_message,
+    validate_plain,
 )
+from txn_core.vocabulary import MessageType
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +45,77 @@ class TransactionListener(abc.ABC):
     def check_local_transaction(self, msg: Message) -> LocalTransactionState: ...
 
 
-class TransactionProducer:
-    """Sends messages in transactions for one producer group.
+class Producer:
+    """Sends plain messages for one producer group (RocketMQ's DefaultMQProducer):
+    no local transaction, no back-check. A message is durable when the call
+    returns, and the job delivers it to `topics/<topic>` at its next run,
+    exactly once, in the order of its commit (docs/protocol.md §3.1, "Plain
+    messages and batches"). Sends from many threads share commits.
+
+    >>> producer = Producer(broker, group="order_group")               # doctest: +SKIP
+    >>> receipt = producer.send(Message(topic="ORDER", body=b"{...}"))  # doctest: +SKIP
+    >>> receipt.send_status                                             # doctest: +SKIP
+    'SEND_OK'
+    >>> batch = producer.send_batch([Message(topic="ORDER", body=b"a"),
+    ...                              Message(topic="ORDER", body=b"b")])  # doctest: +SKIP
+    >>> len(batch)                                                      # doctest: +SKIP
+    2
+    """
+
+    def __init__(self, broker: Broker, group: str):
+        self.broker = broker
+        self.group = validate_group(group)
+
+    def send(self, msg: Message) -> SendReceipt:
+        """Store one plain message; returns once it is durable.
+
+        Raises MessageValidationError (nothing written) for a bad message or
+        a delay level (not supported yet), PersistError when it could not be
+        stored.
+        """
+        validate_plain(msg, self.broker.config.max_body_bytes)
+        stored = self.broker.store_halves(self.group, [msg], MessageType.NORMAL)
+        return SendReceipt(
+            msg_id=stored.transaction_ids[0],
+            half_offset=stored.half_offsets[0],
+            topic=msg.topic,
+            queue_id=msg.queue_id,
+        )
+
+    def send_batch(self, messages: Sequence[Message]) -> BatchSendReceipt:
+        """Store plain messages in one commit: all or none.
+
+        RocketMQ's batch rules, checked before anything is written
+        (MessageValidationError naming the field): at least one message, one
+        topic, not a `%RETRY%`/`%DLQ%` topic, no delay level, and at most
+        `max_batch_bytes` in all (`txn_core.message.message_size`). Each
+        message gets its own `msg_id` and offset; they are delivered in the
+        batch's order.
+        """
+        config = self.broker.config
+        validate_batch(messages, config.max_body_bytes, max_batch_bytes=config.max_batch_bytes)
+        stored = self.broker.store_halves(self.group, messages, MessageType.NORMAL)
+        return BatchSendReceipt(
+            msg_ids=stored.transaction_ids,
+            half_offsets=stored.half_offsets,
+            topic=messages[0].topic,
+        )
+
+    def close(self) -> None:
+        """Nothing to stop (the broker owns the writers); for symmetry with
+        TransactionProducer and `with`."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TransactionProducer(Producer):
+    """Sends messages in transactions for one producer group; as a
+    `Producer`, it also sends plain messages (`send`, `send_batch`), as
+    RocketMQ's TransactionMQProducer extends DefaultMQProducer.
 
     >>> producer = TransactionProducer(broker, group="order_group",
     ...                                listener=OrderListener())        # doctest: +SKIP
@@ -52,8 +126,7 @@ class TransactionProducer:
     """
 
     def __init__(self, broker: Broker, group: str, listener: TransactionListener | None = None):
-        self.broker = broker
-        self.group = validate_group(group)
+        super().__init__(broker, group)
         self.listener = listener
         self._checks = CheckAnswerer(broker, self.group, self._check_state)
         self._checks_lock = threading.Lock()
@@ -171,12 +244,6 @@ class TransactionProducer:
         if self._checker is not None:
             self._checker.join()
             self._checker = None
-
-    def __enter__(self) -> TransactionProducer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _execute(

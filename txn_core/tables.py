@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable
 from deltalake.exceptions import TableNotFoundError
+from deltalake.schema import Field
 
 from schemas import CHECK_ANSWERS, HALF, LEASE, OP, PRODUCERS, RUNS, TableSchema, table_path
 from schemas.arrow import arrow_schema
@@ -37,6 +38,8 @@ PRODUCER_TABLE_CONFIG = {
 
 
 _CREATE_ONCE = CommitProperties(max_commit_retries=0)
+# A column addition is rebased over the producers' concurrent appends.
+_ALTER = CommitProperties(max_commit_retries=1000)
 
 
 class MissingTableError(RuntimeError):
@@ -94,10 +97,60 @@ def open_existing(
 def ensure_broker_tables(
     warehouse: str, storage_options: dict[str, str] | None = None
 ) -> dict[str, DeltaTable]:
-    """Create the tables the broker core writes; return handles keyed by path."""
-    return {
-        t.path: open_or_create(warehouse, t, storage_options=storage_options) for t in BROKER_TABLES
-    }
+    """Create the tables the broker core writes, and add the columns a table
+    made by an earlier release lacks (`add_missing_columns`); return handles
+    keyed by path."""
+    tables = {}
+    for t in BROKER_TABLES:
+        table = open_or_create(warehouse, t, storage_options=storage_options)
+        add_missing_columns(table, t)
+        tables[t.path] = table
+    return tables
+
+
+#: how often a column addition that lost a race to another commit is tried again
+_ALTER_ATTEMPTS = 10
+
+
+def missing_columns(table: DeltaTable, schema: TableSchema) -> list[str]:
+    """The columns of `schema` the table does not have (yet)."""
+    have = set(table.schema().to_arrow().names)
+    return [name for name in schema.names if name not in have]
+
+
+def add_missing_columns(table: DeltaTable, schema: TableSchema) -> list[str]:
+    """Bring a table an earlier release created up to `schema`: add the
+    columns it lacks, at the end and nullable (a metadata-only commit; rows
+    already written read them as null in both engines). Returns the columns
+    added; `table` is left at the new version.
+
+    Several processes may migrate at once: a loser reloads and finds the
+    columns there. A missing NOT NULL column, or one the table has in
+    another position, cannot be added so and raises MissingTableError.
+
+    >>> add_missing_columns(DeltaTable(path), HALF)        # doctest: +SKIP
+    ['message_type']
+    """
+    for attempt in range(_ALTER_ATTEMPTS):
+        missing = missing_columns(table, schema)
+        if not missing:
+            return []
+        order = table.schema().to_arrow().names + missing
+        if order != schema.names or any(schema.column(n).nullable is False for n in missing):
+            raise MissingTableError(
+                f"{table.table_uri} has columns {table.schema().to_arrow().names}; "
+                f"{schema.path} needs {schema.names}, and only nullable columns at the end "
+                "can be added"
+            )
+        fields = [Field.from_arrow(arrow_schema(schema).field(name)) for name in missing]
+        try:
+            table.alter.add_columns(fields, commit_properties=_ALTER)
+            return missing
+        except Exception as exc:  # noqa: BLE001 - a race: reload and look again
+            last = exc
+            time.sleep(0.01 * (attempt + 1))
+            table.update_incremental()
+    raise MissingTableError(f"could not add {missing} to {table.table_uri}: {last}") from last
 
 
 def lease_table(warehouse: str, storage_options: dict[str, str] | None = None) -> DeltaTable:

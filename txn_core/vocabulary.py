@@ -15,7 +15,9 @@ __all__ = [
     "CheckAnswer",
     "ConsumeResult",
     "Decision",
+    "MessageType",
     "OpOutcome",
+    "RETRY_TOPIC_PREFIXES",
     "RunStatus",
     "Source",
     "SYSTEM_TOPIC_REGEX",
@@ -23,6 +25,23 @@ __all__ = [
     "TOPIC_PATTERN",
     "is_system_topic",
 ]
+
+
+class MessageType(enum.StrEnum):
+    """What kind of message a `_sys/half` row is (`message_type`; RocketMQ 5's
+    names). A null `message_type` (rows written before the column existed) is
+    a TRANSACTION.
+
+    - TRANSACTION: a half message, delivered once a COMMIT OP decides it;
+    - NORMAL: a plain message (`Producer.send`), committed by its own store:
+      it needs no OP and is never checked.
+
+    >>> MessageType.NORMAL == "NORMAL"
+    True
+    """
+
+    NORMAL = "NORMAL"
+    TRANSACTION = "TRANSACTION"
 
 
 class Action(enum.StrEnum):
@@ -112,6 +131,9 @@ _SYSTEM_TOPICS = (
     "RMQ_SYS_TRACE_TOPIC",
 )
 _SYSTEM_PREFIXES = ("rmq_sys_", "_sys")
+#: RocketMQ's retry and dead-letter topics (MixAll.RETRY_GROUP_TOPIC_PREFIX,
+#: DLQ_GROUP_TOPIC_PREFIX): a batch may not go to one (docs/protocol.md §3.1)
+RETRY_TOPIC_PREFIXES = ("%RETRY%", "%DLQ%")
 #: the system-topic rule as one regular expression that Python's `re` and
 #: Spark's `rlike` (Java's regex) read alike, so both engines apply one rule
 SYSTEM_TOPIC_REGEX = (

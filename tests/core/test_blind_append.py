@@ -40,6 +40,7 @@ def half_rows(offsets: list[int]) -> pa.Table:
             "properties": [[("a", str(o))] if o % 2 else [] for o in offsets],
             "born_ms": [1_000 + o for o in offsets],
             "check_immunity_s": [None] * n,
+            "message_type": [None if o % 2 else "NORMAL" for o in offsets],
         },
         "store_ms",
         STORE_MS,

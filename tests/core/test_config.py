@@ -62,6 +62,7 @@ def test_repo_config_file_loads():
         ("check_max = -1\n", ["check_max", "out of range", "0 to 1000000"]),
         ('check_budget = "always"\n', ["check_budget", "'answered' or 'sent'"]),
         ("reserved_hours = 0\n", ["reserved_hours", "1 to 100000"]),
+        ("max_batch_bytes = 0\n", ["max_batch_bytes", "1 to 1073741824"]),
         ("check_max = \n", ["not valid TOML"]),
     ],
 )
@@ -70,6 +71,17 @@ def test_bad_file_values_name_the_key(tmp_path, text, words):
         load_config(_toml(tmp_path, text), env={})
     for word in words:
         assert word in str(err.value)
+
+
+def test_max_batch_bytes_follows_the_same_precedence(tmp_path):
+    path = _toml(tmp_path, "max_batch_bytes = 1000\n")
+    assert load_config(env={}).max_batch_bytes == 4 * 1024 * 1024  # RocketMQ's 4 MiB
+    assert load_config(path, env={}).max_batch_bytes == 1000
+    env = {"TXN_MAX_BATCH_BYTES": "2000"}
+    assert load_config(path, env=env).max_batch_bytes == 2000
+    assert load_config(path, env=env, max_batch_bytes=3000).max_batch_bytes == 3000
+    with pytest.raises(ConfigError, match="TXN_MAX_BATCH_BYTES"):
+        load_config(env={"TXN_MAX_BATCH_BYTES": "4MB"})
 
 
 def test_bad_env_value_names_the_variable():

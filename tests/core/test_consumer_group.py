@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from schemas import CONSUMER_OFFSETS, TOPIC, dlq_path, table_path, topic_path
+from schemas import CONSUMER_OFFSETS, dlq_path, table_path
 from schemas.arrow import arrow_schema
 from txn_core import (
     ConfigError,
@@ -23,54 +23,9 @@ from txn_core import (
 )
 from txn_core.consumer_group import retry_delay_s
 
+from factories import Clock, deliver
+
 GROUP = "billing"
-
-
-class Clock:
-    """A clock the test moves by hand (seconds)."""
-
-    def __init__(self, now: float = 1_000.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def topic_row(queue_id: int, queue_offset: int) -> dict:
-    n = f"{queue_id}-{queue_offset}"
-    return {
-        "queue_id": queue_id,
-        "queue_offset": queue_offset,
-        "msg_id": f"msg-{n}",
-        "transaction_id": f"tx-{n}",
-        "half_offset": queue_id * 1000 + queue_offset,
-        "producer_group": "order_group",
-        "tags": "created",
-        "keys": f"order-{n}",
-        "body": f"body-{n}".encode(),
-        "properties": [("n", n)],
-        "born_ms": 10,
-        "commit_ms": 20,
-        "delivered_ms": 30,
-        "run_id": "run-1",
-    }
-
-
-def deliver(warehouse: str, topic: str = "ORDER", **offsets_by_queue: range) -> None:
-    """One commit of topic rows: `q0=range(0, 3)` delivers offsets 0..2 of queue 0."""
-    rows = [
-        topic_row(int(name[1:]), offset)
-        for name, offsets in offsets_by_queue.items()
-        for offset in offsets
-    ]
-    write_deltalake(
-        topic_path(warehouse, topic),
-        pa.Table.from_pylist(rows, schema=arrow_schema(TOPIC)),
-        mode="append",
-    )
 
 
 def offsets(messages: list[ConsumedMessage]) -> list[tuple[int, int]]:
@@ -169,7 +124,8 @@ def test_commit_moves_offsets_forward_only_and_the_newest_row_wins(warehouse):
     assert consumer.commit() == {}
     assert Consumer(warehouse, GROUP, "ORDER").committed() == {0: 4}
 
-    # another member committed later: its row wins (committed_ms, then next_offset)
+    # the next member committed later: its row wins (committed_ms, then next_offset)
+    consumer.close()  # it holds queue 0 until it leaves (test_consumer_rebalance.py)
     clock.advance(1)
     other = Consumer(warehouse, GROUP, "ORDER", clock=clock)
     other.seek(0, 5)
@@ -391,7 +347,9 @@ def test_a_restarted_push_consumer_retries_from_the_committed_offset_with_fresh_
     deliver(warehouse, q0=range(2))
     clock = Clock()
     listener = Listener({(0, 0): [ConsumeResult.RECONSUME_LATER] * 2})
-    PushConsumer(warehouse, GROUP, "ORDER", listener, clock=clock).consume_once()
+    first = PushConsumer(warehouse, GROUP, "ORDER", listener, clock=clock)
+    first.consume_once()
+    first.shutdown()  # leaves the group: the restarted one takes queue 0 at once
     restarted = PushConsumer(warehouse, GROUP, "ORDER", listener, clock=clock)
     restarted.consume_once()  # at once: the retry's wait was in memory
     assert listener.calls == [(0, 0, 0), (0, 0, 0)]

@@ -9,11 +9,13 @@ from deltalake import DeltaTable
 
 from txn_core import (
     Broker,
+    Config,
     LocalTransactionState,
     Message,
     MessageValidationError,
     NoListenerError,
     PersistError,
+    Producer,
     TransactionListener,
     TransactionProducer,
 )
@@ -79,8 +81,9 @@ def test_no_listener_is_refused_before_anything_is_written(broker, warehouse):
     assert rows(warehouse, "_sys/half") == []
 
 
-def test_commit_writes_half_then_producer_op(producer, listener, warehouse):
-    msg = Message(
+def full_message() -> Message:
+    """A message with every field set."""
+    return Message(
         topic="ORDER",
         body=b"\x00body\xff",
         keys="order-42",
@@ -89,6 +92,10 @@ def test_commit_writes_half_then_producer_op(producer, listener, warehouse):
         queue_id=3,
         check_immunity_s=60,
     )
+
+
+def test_commit_writes_half_then_producer_op(producer, listener, warehouse):
+    msg = full_message()
     result = producer.send_message_in_transaction(msg, arg=COMMIT)
     assert result.local_state is COMMIT and result.op_written and result.error is None
     [half] = rows(warehouse, "_sys/half")
@@ -230,8 +237,6 @@ def test_batch_rules(producer, warehouse, batch, field):
     ],
 )
 def test_bad_message_names_the_field_and_writes_nothing(warehouse, kwargs, field):
-    from txn_core import Config
-
     with Broker.open(warehouse, config=Config(warehouse=warehouse, max_body_bytes=1024)) as b:
         producer = TransactionProducer(b, "order_group", Scripted())
         fields = dict(topic="ORDER", body=b"x")
@@ -250,31 +255,34 @@ def test_bad_group_is_refused(broker, group):
     assert err.value.field == "producer_group"
 
 
-def test_concurrent_sends_share_commits(broker, warehouse):
+@pytest.mark.parametrize("plain", [False, True], ids=["transactional", "plain"])
+def test_concurrent_sends_share_commits(broker, warehouse, plain):
     producer = TransactionProducer(broker, "order_group", Scripted())
     results, start = [], threading.Barrier(32)
 
     def send():
         start.wait()
         for _ in range(5):
+            msg = Message(topic="ORDER", body=b"x")
             results.append(
-                producer.send_message_in_transaction(Message(topic="ORDER", body=b"x"), COMMIT)
+                producer.send(msg) if plain else producer.send_message_in_transaction(msg, COMMIT)
             )
 
     threads = [threading.Thread(target=send) for _ in range(32)]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    assert len(results) == 160 and all(r.op_written for r in results)
+    assert len(results) == 160 and all(plain or r.op_written for r in results)
     assert len({r.half_offset for r in results}) == 160
     counts = broker.commit_counts
+    ops = 0 if plain else 160  # a plain message needs no OP
     # group commit: far fewer commits than rows, for halves and OPs alike
-    assert counts["_sys/half"] < 160 / 2 and counts["_sys/op"] < 160 / 2
+    assert 0 < counts["_sys/half"] < 160 / 2 and counts["_sys/op"] < max(ops / 2, 1)
     stats = broker.writer_stats
     assert [(stats[t].commits, stats[t].rows) for t in ("_sys/half", "_sys/op")] == [
         (counts["_sys/half"], 160),
-        (counts["_sys/op"], 160),
+        (counts["_sys/op"], ops),
     ]
-    assert len(rows(warehouse, "_sys/half")) == 160 and len(rows(warehouse, "_sys/op")) == 160
+    assert len(rows(warehouse, "_sys/half")) == 160 and len(rows(warehouse, "_sys/op")) == ops
 
 
 def test_resolve_writes_an_admin_op(producer, broker, warehouse):
@@ -328,3 +336,163 @@ def test_unique_columns_are_written_without_a_dictionary(producer, warehouse):
     assert not any(dictionary(half[c]) for c in ("half_offset", "transaction_id", "msg_id"))
     assert not any(dictionary(op[c]) for c in ("op_offset", "half_offset", "transaction_id"))
     assert dictionary(half["topic"]) and dictionary(half["body"]) and dictionary(op["action"])
+
+
+# --- plain sends and batches (docs/protocol.md §3.1, "Plain messages and batches") ---
+
+
+def test_a_plain_send_is_durable_on_return_as_a_normal_half_row_without_an_op(broker, warehouse):
+    producer = Producer(broker, "order_group")
+    msg = full_message()
+    receipt = producer.send(msg)
+    # durable: another reader sees it as soon as the call returned
+    [half] = rows(warehouse, "_sys/half")
+    assert (half["half_offset"], half["msg_id"], half["transaction_id"]) == (
+        receipt.half_offset,
+        receipt.msg_id,
+        receipt.msg_id,
+    )
+    assert (half["message_type"], half["check_immunity_s"]) == ("NORMAL", None)  # never checked
+    assert (half["topic"], half["queue_id"], half["body"], half["keys"], half["tags"]) == (
+        "ORDER",
+        3,
+        b"\x00body\xff",
+        "order-42",
+        "created",
+    )
+    assert (receipt.topic, receipt.queue_id, receipt.send_status) == ("ORDER", 3, "SEND_OK")
+    assert rows(warehouse, "_sys/op") == []
+    assert msg.msg_id is None  # the caller's message is not changed: it may be sent again
+    assert producer.send(msg).half_offset != receipt.half_offset
+    # a transactional half says what it is too
+    TransactionProducer(broker, "order_group", Scripted()).send_message_in_transaction(
+        Message(topic="ORDER", body=b"t"), COMMIT
+    )
+    assert sorted(h["message_type"] for h in rows(warehouse, "_sys/half")) == [
+        "NORMAL",
+        "NORMAL",
+        "TRANSACTION",
+    ]
+
+
+def test_a_plain_batch_is_one_commit_all_or_none(broker, warehouse):
+    producer = Producer(broker, "order_group")
+    before = version(warehouse, "_sys/half")
+    receipt = producer.send_batch(
+        [Message(topic="ORDER", body=f"m{i}".encode(), keys=f"k{i}") for i in range(5)]
+    )
+    assert version(warehouse, "_sys/half") == before + 1 and len(receipt) == 5
+    halves = rows(warehouse, "_sys/half")
+    assert sorted(h["half_offset"] for h in halves) == sorted(receipt.half_offsets)
+    assert [h["msg_id"] for h in sorted(halves, key=lambda h: h["keys"])] == receipt.msg_ids
+    assert {h["message_type"] for h in halves} == {"NORMAL"} and receipt.topic == "ORDER"
+    # a store that fails stores none of the batch, and says so
+    _break_table(warehouse, "_sys/half")
+    with pytest.raises(PersistError, match="_sys/half"):
+        producer.send_batch([Message(topic="ORDER", body=b"x") for _ in range(3)])
+    log_dir = os.path.join(warehouse, "_sys/half", "_delta_log")
+    os.remove(log_dir)
+    shutil.move(log_dir + ".saved", log_dir)
+    assert len(rows(warehouse, "_sys/half")) == 5
+
+
+@pytest.mark.parametrize(
+    "batch, field",
+    [
+        ([], "messages"),
+        (Message(topic="A", body=b"x"), "messages"),
+        ([Message(topic="A", body=b"x"), Message(topic="B", body=b"x")], "messages"),
+        ([Message(topic="%RETRY%order_group", body=b"x")], "messages[0].topic"),
+        ([Message(topic="%DLQ%order_group", body=b"x")], "messages[0].topic"),
+        ([Message(topic="_sys_half", body=b"x")], "messages[0].topic"),
+        (
+            [Message(topic="A", body=b"x"), Message(topic="A", body=b"x", delay_level=2)],
+            "messages[1].delay_level",
+        ),
+        ([Message(topic="A", body=b"x"), Message(topic="A", body=b"")], "messages[1].body"),
+        ([Message(topic="A", body=b"x"), "not a message"], "messages[1]"),
+        # 1,000 + 25 bytes: over max_batch_bytes = 1,024 by one
+        ([Message(topic="A", body=b"x" * 1000), Message(topic="A", body=b"y" * 25)], "messages"),
+    ],
+)
+def test_plain_batch_rules_name_the_field_and_write_nothing(warehouse, batch, field):
+    config = Config(warehouse=warehouse, max_batch_bytes=1024)
+    with Broker.open(warehouse, config=config) as b:
+        with pytest.raises(MessageValidationError) as err:
+            Producer(b, "order_group").send_batch(batch)
+    assert err.value.field == field and isinstance(err.value, ValueError)
+    assert rows(warehouse, "_sys/half") == []
+
+
+def test_a_batch_counts_bodies_keys_tags_and_properties_up_to_max_batch_bytes(warehouse):
+    # bodies 1,000 + 1, keys 10, tags "é" (2 bytes in UTF-8), properties "ab" and
+    # "cdefghijk" (11): 1,024
+    exact = [
+        Message(topic="A", body=b"x" * 1000),
+        Message(topic="A", body=b"y", keys="k" * 10, tags="\u00e9", properties={"ab": "cdefghijk"}),
+    ]
+    config = Config(warehouse=warehouse, max_batch_bytes=1024)
+    with Broker.open(warehouse, config=config) as b:
+        producer = Producer(b, "order_group")
+        assert len(producer.send_batch(exact)) == 2
+        exact[1].tags = "\u00e9!"
+        with pytest.raises(MessageValidationError, match="1025 bytes.*max_batch_bytes = 1024"):
+            producer.send_batch(exact)
+        # a transactional batch is decided by one local transaction: no total limit
+        TransactionProducer(b, "order_group", Scripted()).send_batch_in_transaction(exact, COMMIT)
+    assert len(rows(warehouse, "_sys/half")) == 4
+
+
+def test_a_plain_send_refuses_a_delay_and_bad_fields_before_writing(broker, warehouse):
+    producer = Producer(broker, "order_group")
+    for msg, field in (
+        (Message(topic="ORDER", body=b"x", delay_level=3), "delay_level"),
+        (Message(topic="ORDER", body=b""), "body"),
+        (Message(topic="RMQ_SYS_TRANS_HALF_TOPIC", body=b"x"), "topic"),
+    ):
+        with pytest.raises(MessageValidationError) as err:
+            producer.send(msg)
+        assert err.value.field == field
+    assert rows(warehouse, "_sys/half") == []
+    with pytest.raises(MessageValidationError) as err:
+        Producer(broker, "bad group")
+    assert err.value.field == "producer_group"
+
+
+def test_resolve_refuses_a_plain_message(broker, warehouse):
+    receipt = Producer(broker, "order_group").send(Message(topic="ORDER", body=b"x"))
+    with pytest.raises(ValueError, match="plain"):
+        broker.resolve(receipt.msg_id, commit=False)
+    assert rows(warehouse, "_sys/op") == []
+
+
+def test_an_old_half_table_gains_the_new_column_when_a_broker_opens_it(warehouse):
+    """A warehouse an earlier release made has no `message_type`: opening a
+    broker adds it (nullable; its rows read it as null), once, however many
+    brokers open it, and plain sends work on it."""
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    from schemas import HALF
+    from schemas.arrow import arrow_schema
+    from txn_core.tables import PRODUCER_TABLE_CONFIG, missing_columns
+
+    old_schema = pa.schema([f for f in arrow_schema(HALF) if f.name != "message_type"])
+    path = os.path.join(warehouse, "_sys/half")
+    DeltaTable.create(path, old_schema, configuration=PRODUCER_TABLE_CONFIG)
+    old_row = {"half_offset": 1, "transaction_id": "t1", "msg_id": "t1", "producer_group": "g"}
+    old_row |= {"topic": "ORDER", "queue_id": 0, "body": b"old", "born_ms": 1, "store_ms": 2}
+    write_deltalake(path, pa.Table.from_pylist([old_row], schema=old_schema), mode="append")
+    assert missing_columns(DeltaTable(path), HALF) == ["message_type"]
+
+    brokers = [Broker.open(warehouse), Broker.open(warehouse)]
+    migrated = version(warehouse, "_sys/half")
+    assert migrated == 2 and missing_columns(DeltaTable(path), HALF) == []
+    assert brokers[0].committers["_sys/half"] == "blind append"  # the fast path still fits
+    receipt = Producer(brokers[1], "order_group").send(Message(topic="ORDER", body=b"new"))
+    for b in brokers:
+        b.close()
+    by_offset = {h["half_offset"]: h for h in rows(warehouse, "_sys/half")}
+    assert by_offset[1]["message_type"] is None  # written before: a transactional half
+    assert by_offset[receipt.half_offset]["message_type"] == "NORMAL"
+    assert version(warehouse, "_sys/half") == migrated + 1  # the second open added nothing

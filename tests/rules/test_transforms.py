@@ -406,6 +406,37 @@ def test_after_admin_override_of_a_discard_producer_ops_stay_late(spark):
     assert got == {1: (OpOutcome.LATE, "message discarded"), 2: (OpOutcome.DUPLICATE, None)}
 
 
+def test_an_op_naming_a_plain_message_is_a_duplicate_or_a_conflict(spark):
+    """A plain message is committed by its store: an OP for it (a stray one,
+    an operator's) never decides it, in the run that reads the message
+    (`plain_targets`) or a later one (its `_sys/resolved` row)."""
+    p, late = fx.half(1, message_type="NORMAL"), fx.half(2, message_type="NORMAL")
+    plain = T.plain_keys(halves_df(spark, p).withColumn("commit_version", F.lit(3)))
+    ops = ops_df(
+        spark,
+        (fx.op(p, "COMMIT", op_offset=10), 1),
+        (fx.op(p, "ROLLBACK", op_offset=11, source="ADMIN"), 1),
+        (fx.op(p, op_offset=12, producer_group="other"), 1),
+        (fx.op(late, "ROLLBACK", op_offset=13), 1),
+    )
+    earlier = T.plain_winners(
+        T.plain_keys(halves_df(spark, late).withColumn("commit_version", F.lit(2)))
+    )
+    history = _history(spark, resolved=T.resolved_rows(earlier, rules()).collect())
+    targets = T.op_targets(T.message_keys(pending_df(spark)), history).unionByName(
+        T.plain_targets(plain)
+    )
+    got = {
+        r["op_offset"]: (r["outcome"], r["reason"]) for r in T.classify_ops(ops, targets).collect()
+    }
+    assert got == {
+        10: (OpOutcome.DUPLICATE, None),
+        11: (OpOutcome.CONFLICT, None),
+        12: (OpOutcome.INVALID, "producer_group mismatch"),
+        13: (OpOutcome.CONFLICT, None),
+    }
+
+
 def test_ops_naming_no_live_message_are_classified_again_against_the_history(spark):
     live_msg, old = fx.half(1), fx.half(2)
     ops = ops_df(
@@ -468,6 +499,49 @@ def test_deliveries_dense_per_queue_in_commit_order_continuing_previous(spark):
     assert_df_equality(got, expected, ignore_row_order=True, ignore_nullable=True)
     nxt = T.next_queues(queues, positions, r).select("topic", "queue_id", "next_queue_offset")
     assert sorted(map(tuple, nxt.collect())) == [("ORDER", 0, 12), ("ORDER", 1, 1), ("PAY", 0, 1)]
+
+
+def test_plain_messages_merge_with_commits_by_commit_time_each_kind_in_its_order(spark):
+    """docs/protocol.md §4.3: COMMIT OPs keep their commit order (OP version,
+    op_offset), plain messages theirs (half version, half_offset), and the
+    two interleave by commit time; a message stored with an earlier time
+    than one of its kind committed before it (another process's clock)
+    never overtakes that one."""
+    hs = {o: fx.half(o, queue_id=0) for o in (1, 2, 3)}
+    ops = [
+        (fx.op(hs[1], op_offset=50, store_ms=200), 4),
+        (fx.op(hs[2], op_offset=51, store_ms=300), 4),
+        (fx.op(hs[3], op_offset=52, store_ms=150), 5),  # committed after 2, on a slower clock
+    ]
+    live = pending_df(spark, *hs.values())
+    won = T.winners(
+        T.classify_ops(ops_df(spark, *ops), T.op_targets(T.message_keys(live), _history(spark)))
+    )
+    # half_offset: (store_ms, the _sys/half version that stored it)
+    stored = {11: (100, 7), 13: (120, 7), 12: (90, 8), 14: (400, 9)}
+    rows = [fx.half(o, store_ms=ms, message_type="NORMAL") for o, (ms, _) in stored.items()]
+    versions = " ".join(f"WHEN {o} THEN {v}" for o, (_, v) in stored.items())
+    plain = T.plain_keys(
+        halves_df(spark, *rows).withColumn(
+            "commit_version", F.expr(f"CAST(CASE half_offset {versions} END AS BIGINT)")
+        )
+    )
+    queues = spark.createDataFrame(
+        [{"topic": "ORDER", "queue_id": 0, "next_queue_offset": 5, "run_number": 3}],
+        spark_schema(QUEUES),
+    )
+    every = won.unionByName(T.plain_winners(plain))
+    placed = T.queue_positions(every, queues, plain=True).orderBy("queue_offset").collect()
+    assert [(r["half_offset"], r["queue_offset"], r["commit_ms"]) for r in placed] == [
+        (11, 5, 100),
+        (13, 6, 120),
+        (12, 7, 90),  # after 13, committed before it in _sys/half
+        (1, 8, 200),
+        (2, 9, 300),
+        (3, 10, 150),  # after 2, committed before it in _sys/op
+        (14, 11, 400),
+    ]
+    assert sorted(map(tuple, T.queue_ends(every, queues).collect())) == [("ORDER", 0, 7, 11)]
 
 
 def test_queue_ends_say_what_queue_positions_will(spark):
@@ -540,9 +614,15 @@ def test_rejected_halves_are_set_aside_with_a_reason(spark):
         fx.half(3, topic="_sys_half"),
         fx.half(4, queue_id=-1),
         fx.half(5, topic="x" * 128),
+        fx.half(6, message_type="DELAY"),  # a kind this job does not know: never guessed
+        fx.half(7, message_type="NORMAL"),
+        fx.half(8, message_type="TRANSACTION"),
     ]
     accepted, rejected = T.split_halves(halves_df(spark, *rows), r)
-    assert [r_["half_offset"] for r_ in accepted.collect()] == [1]
+    assert sorted(r_["half_offset"] for r_ in accepted.collect()) == [1, 7, 8]
+    transactional, plain = T.split_kinds(accepted)
+    assert sorted(r_["half_offset"] for r_ in transactional.collect()) == [1, 8]  # null too
+    assert [r_["half_offset"] for r_ in plain.collect()] == [7]
     got = rejected.select("row_offset", "reason")
     expected = spark.createDataFrame(
         [
@@ -550,6 +630,7 @@ def test_rejected_halves_are_set_aside_with_a_reason(spark):
             (3, "system topic name"),
             (4, "negative queue_id"),
             (5, "invalid topic name"),
+            (6, "unknown message_type"),
         ],
         "row_offset long, reason string",
     )

@@ -75,8 +75,16 @@ def base(tmp_path_factory) -> str:
         fx.half(store_ms=T),
     )
     paid = fx.half(store_ms=T - 100_000, topic="PAY")  # two topics: a crash between their commits
+    plain = fx.half(store_ms=T - 100_000, message_type="NORMAL")  # delivered with no OP
     fx.write_halves(
-        wh, delivered, checked, expired, waiting, paid, fx.half(store_ms=T, topic="bad topic")
+        wh,
+        delivered,
+        checked,
+        expired,
+        waiting,
+        paid,
+        plain,
+        fx.half(store_ms=T, topic="bad topic"),
     )
     fx.write_ops(wh, fx.op(delivered), fx.op(delivered, "ROLLBACK"), fx.op(paid))
     return wh
@@ -88,6 +96,7 @@ def baseline(spark, base, tmp_path_factory):
     shutil.copytree(base, wh)
     faults.SEEN.clear()
     summary = reconcile(spark, {"warehouse": wh}, now_ms=T)
+    assert summary.delivered_by_topic == {"ORDER": 2, "PAY": 1}  # a plain message among them
     # the output writes run concurrently: their steps come in any order
     assert faults.SEEN[:2] == STEPS[:2] and faults.SEEN[-1] == STEPS[-1]
     assert sorted(faults.SEEN) == sorted(STEPS), "the scenario must reach every write step"

@@ -4,7 +4,8 @@ A warehouse is reconciled by the real job over two runs (deliveries to two
 topics and two queues, a rollback, invalid/duplicate/conflicting OPs, an
 expired message with a late commit, one overridden by an operator, a
 MAX_CHECKS discard, a pending message, an OP whose small op_offset sits in
-a late commit). A copy is then tampered with, one way per message, and every
+a late commit, a plain message in each run among the commits of its queue,
+an operator's OP naming one). A copy is then tampered with, one way per message, and every
 tampering must be reported naming its message; the untouched warehouse, and
 one with a run killed half-way, verify ok.
 """
@@ -47,6 +48,9 @@ def build_reconciled(spark, wh: str) -> dict:
         "expired_admin": fx.half(9011, store_ms=T1 - 2 * HOUR),
         "max_checks": fx.half(9012, store_ms=T0 - 10_000),
         "small_op_offset": fx.half(9013, store_ms=T0),
+        # plain messages, stored before the OPs of their run (store_ms T0 + 1)
+        "plain1": fx.half(9014, store_ms=T0, message_type="NORMAL"),
+        "plain2": fx.half(9015, store_ms=T0, message_type="NORMAL"),
     }
     fx.write_halves(wh, *[m[k] for k in ("c1", "c2", "c3", "pay", "rb")])
     fx.write_halves(
@@ -62,6 +66,7 @@ def build_reconciled(spark, wh: str) -> dict:
                 "expired_admin",
                 "max_checks",
                 "small_op_offset",
+                "plain1",
             )
         ],
     )
@@ -92,7 +97,10 @@ def build_reconciled(spark, wh: str) -> dict:
         fx.op(m["bad_then_good"], op_offset=7013),
         fx.op(m["expired_late"], op_offset=7014),
         fx.op(m["expired_admin"], op_offset=7015, source="ADMIN"),
+        # an operator's OP for a plain message: a conflict, applied nowhere
+        fx.op(m["plain1"], "ROLLBACK", op_offset=7016, source="ADMIN"),
     )
+    fx.write_halves(wh, m["plain2"])
     reconcile(spark, _config(wh), now_ms=T2)
     # Written after the last run: legitimately not processed yet.
     fx.write_halves(wh, fx.half(9099, store_ms=T2))
@@ -131,12 +139,13 @@ def test_untouched_warehouse_verifies_ok(spark, reconciled):
     assert report.ok, report.render()
     assert report.differences == []
     c = report.counts
-    assert c["delivered"] == 9  # c1 c2 c3 pay dup conflict bad_then_good expired_admin
-    #                              small_op_offset
+    assert c["delivered"] == 11  # c1 c2 c3 pay dup conflict bad_then_good expired_admin
+    #                               small_op_offset plain1 plain2
+    assert c["plain"] == 2
     assert c["rolled_back"] == 1
     assert c["discarded"] == 2  # expired_late, max_checks
     assert c["pending"] == 1
-    assert c["halves_judged"] == 13
+    assert c["halves_judged"] == 15
     assert c["halves_not_yet_processed"] == 1
     assert c["invalid_ops"] == 2 and c["late_ops"] == 1
     assert "verify: OK" in report.render()
@@ -149,8 +158,12 @@ def test_untouched_warehouse_verifies_ok(spark, reconciled):
         .orderBy("queue_offset")
         .collect()
     )
-    assert [r["half_offset"] for r in q0] == [9001, 9002, 9007, 9008, 9013, 9009, 9011]
-    assert [r["queue_offset"] for r in q0] == list(range(7))
+    # each run: its plain message (stored at T0) before its OPs (T0 + 1)
+    assert [r["half_offset"] for r in q0] == [
+        *(9014, 9001, 9002, 9007, 9008),
+        *(9015, 9013, 9009, 9011),
+    ]
+    assert [r["queue_offset"] for r in q0] == list(range(9))
 
 
 def test_outputs_of_an_unfinished_run_are_not_judged(spark, copy, monkeypatch):
@@ -207,13 +220,13 @@ def test_every_tampering_is_caught_naming_the_message(spark, copy):
     share one copy); each must show up as its own difference, on its message."""
     wh, m = copy
     order = topic_path(wh, "ORDER")
-    # c2: its delivered row is deleted.
-    spark.sql(f"DELETE FROM delta.`{order}` WHERE half_offset = 9002").collect()
-    # c1: its delivered row is appended a second time.
+    # c2 and plain1: their delivered rows are deleted.
+    spark.sql(f"DELETE FROM delta.`{order}` WHERE half_offset IN (9002, 9014)").collect()
+    # c1 and plain2: their delivered rows are appended a second time.
     (
         spark.read.format("delta")
         .load(order)
-        .where("half_offset = 9001")
+        .where("half_offset IN (9001, 9015)")
         .write.format("delta")
         .mode("append")
         .save(order)
@@ -227,9 +240,10 @@ def test_every_tampering_is_caught_naming_the_message(spark, copy):
     spark.sql(f"DELETE FROM delta.`{table_path(wh, PENDING)}` WHERE half_offset = 9006").collect()
     # bad_then_good and expired_admin swap their places in ORDER queue 0.
     spark.sql(
-        f"UPDATE delta.`{order}` SET queue_offset = 11 - queue_offset "
+        f"UPDATE delta.`{order}` SET queue_offset = 15 - queue_offset "
         f"WHERE half_offset IN (9009, 9011)"
     ).collect()
+
     # pay (delivered) and expired_late (already discarded) get a forged discard.
     _add_discard(spark, wh, 9004)
     # ... the second one with another body: every discard row is compared.
@@ -257,9 +271,11 @@ def test_every_tampering_is_caught_naming_the_message(spark, copy):
     assert len(forged) == 1 and forged[0]["found"] == "body=" + b"forged".hex().upper()
     assert "queue_offset_order" in _kinds_for(report, 9009)
     assert "queue_offset_order" in _kinds_for(report, 9011)
-    # Untouched messages stay clean, except for the gap c2's deletion and c1's
-    # extra row leave in ORDER queue 0, where the later deliveries now sit.
-    tampered = {9001, 9002, 9003, 9004, 9006, 9010, 9009, 9011}
+    assert _kinds_for(report, 9014) == {"missing_delivery"}
+    assert "duplicate_delivery" in _kinds_for(report, 9015)
+    # Untouched messages stay clean, except for the gaps the deletions and
+    # the extra rows leave in ORDER queue 0, where the later deliveries now sit.
+    tampered = {9001, 9002, 9003, 9004, 9006, 9010, 9009, 9011, 9014, 9015}
     others = {
         (d["half_offset"], d["kind"])
         for d in report.differences

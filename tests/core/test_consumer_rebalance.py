@@ -1,0 +1,515 @@
+"""Several members of one consumer group share a topic's queues
+(txn_core.consumer_group, docs/protocol.md §3.2 "Several members"): the
+assignment rule, heartbeats and the member timeout on an injected clock,
+hand-overs at the committed offset, and the upkeep of the two consumer tables.
+Topic rows are written directly with delta-rs: no Spark. Members are Consumer
+objects with the ids "a", "b", "c" in one process (the rule sorts them)."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable, write_deltalake
+from deltalake.exceptions import CommitFailedError
+
+from schemas import CONSUMER_MEMBERS, CONSUMER_OFFSETS, table_path
+from schemas.arrow import arrow_schema
+from txn_core import (
+    Broker,
+    Config,
+    ConfigError,
+    ConsumedMessage,
+    Consumer,
+    ConsumeResult,
+    CorruptMembershipError,
+    PushConsumer,
+    QueueNotAssignedError,
+)
+from txn_core.consumer_group import (
+    HEARTBEAT_INTERVAL_S,
+    MEMBER_TIMEOUT_S,
+    allocate_queues,
+    read_committed_offsets,
+)
+from txn_core.maintenance import maintain, maintain_consumer_tables
+
+from factories import Clock, deliver
+
+GROUP = "billing"
+DAY_MS = 86_400_000
+
+
+def member(warehouse: str, name: str, clock: Clock, **kwargs) -> Consumer:
+    return Consumer(warehouse, GROUP, "ORDER", clock=clock, member=name, **kwargs)
+
+
+def ids(messages: list[ConsumedMessage]) -> list[tuple[int, int]]:
+    return [(m.queue_id, m.queue_offset) for m in messages]
+
+
+def drain(consumer: Consumer) -> list[tuple[int, int]]:
+    """Poll until nothing is left, committing after each batch (process, then commit)."""
+    seen: list[tuple[int, int]] = []
+    while batch := consumer.poll(3):
+        seen += ids(batch)
+        consumer.commit()
+    return seen
+
+
+def committed(warehouse: str) -> dict[int, int]:
+    return read_committed_offsets(warehouse, GROUP, "ORDER")  # joins no group
+
+
+def settled_pair(warehouse: str, clock: Clock) -> tuple[Consumer, Consumer]:
+    """Members a and b of a 4-queue topic, past their first hand-over:
+    a holds queues 0 and 1, b queues 2 and 3."""
+    a, b = member(warehouse, "a", clock), member(warehouse, "b", clock)
+    a.commit()  # joins: alone, it takes every queue
+    b.commit()  # joins: its share (2, 3) is still a's, so it waits
+    assert (a.assignment(), b.assignment()) == ([0, 1, 2, 3], [])
+    clock.advance(HEARTBEAT_INTERVAL_S)
+    a.commit()  # heartbeat: a sees b and lets go of 2 and 3
+    b.commit()  # heartbeat: nobody holds 2 and 3 any more, b takes them
+    assert (a.assignment(), b.assignment()) == ([0, 1], [2, 3])
+    assert a.members() == b.members() == ["a", "b"]
+    return a, b
+
+
+@pytest.mark.parametrize(
+    "queues, members, expected",
+    [
+        (range(8), "abc", [[0, 1, 2], [3, 4, 5], [6, 7]]),  # the first 8 % 3 blocks are longer
+        (range(4), "ab", [[0, 1], [2, 3]]),
+        ([3, 9], "cab", [[3], [9], []]),  # more members than queues; ids sorted, not their order
+        ([7, 1, 4], "a", [[1, 4, 7]]),
+        ([], "ab", [[], []]),
+    ],
+)
+def test_the_rule_is_rocketmqs_allocate_averagely(queues, members, expected):
+    assert [allocate_queues(queues, list(members), m) for m in sorted(members)] == expected
+    assert allocate_queues(queues, list(members), "not-a-member") == []
+
+
+def test_two_members_split_the_queues_and_together_read_every_message_once(warehouse):
+    deliver(warehouse, q0=range(3), q1=range(3), q2=range(3), q3=range(3))
+    clock = Clock()
+    a, b = settled_pair(warehouse, clock)
+
+    from_a, from_b = drain(a), drain(b)
+    assert {q for q, _ in from_a} == {0, 1} and {q for q, _ in from_b} == {2, 3}
+    deliver(warehouse, q0=range(3, 5), q3=range(3, 4))
+    from_a += drain(a)
+    from_b += drain(b)
+    everything = [(q, o) for q, n in ((0, 5), (1, 3), (2, 3), (3, 4)) for o in range(n)]
+    assert sorted(from_a + from_b) == everything  # each exactly once
+    assert committed(warehouse) == {0: 5, 1: 3, 2: 3, 3: 4}
+
+
+def test_a_third_member_takes_its_share_once_its_holder_let_go_and_nothing_is_read_twice(warehouse):
+    deliver(warehouse, q0=range(2), q1=range(2), q2=range(2), q3=range(2))
+    clock = Clock()
+    a, b = settled_pair(warehouse, clock)
+    seen = drain(a) + drain(b)
+
+    c = member(warehouse, "c", clock)
+    assert c.poll() == []  # its share, queue 3, is still b's
+    assert (c.members(), c.assignment()) == (["a", "b", "c"], [])
+    deliver(warehouse, q2=range(2, 3), q3=range(2, 4))
+    seen += drain(b)  # b goes on with queue 3 meanwhile, and commits
+
+    clock.advance(HEARTBEAT_INTERVAL_S)
+    seen += drain(a) + drain(b)  # heartbeats: a keeps 0 and 1, b lets go of 3
+    assert (a.assignment(), b.assignment()) == ([0, 1], [2])
+    deliver(warehouse, q3=range(4, 6))
+    seen += drain(c)  # c's heartbeat: it takes queue 3 at b's committed offset
+    assert c.assignment() == [3]
+    deliver(warehouse, q0=range(2, 3), q3=range(6, 7))
+    seen += drain(a) + drain(b) + drain(c)
+
+    counts = Counter(seen)
+    assert [m for m, n in counts.items() if n > 1] == []  # nothing read twice
+    assert sorted(counts) == [
+        (q, o) for q, n in ((0, 3), (1, 2), (2, 3), (3, 7)) for o in range(n)
+    ]  # nothing missed
+
+
+def test_a_commit_that_comes_with_a_heartbeat_commits_before_letting_go(warehouse):
+    deliver(warehouse, q0=range(2), q1=range(2), q2=range(2), q3=range(2))
+    clock = Clock()
+    a, b = settled_pair(warehouse, clock)
+    c = member(warehouse, "c", clock)
+    c.commit()  # joins; its share, queue 3, is still b's
+    assert ids(b.poll()) == [(2, 0), (3, 0), (2, 1), (3, 1)]
+    clock.advance(HEARTBEAT_INTERVAL_S)  # b's heartbeat comes due while it processes
+
+    assert b.commit() == {2: 2, 3: 2}  # commits first, then lets go of queue 3
+    assert b.assignment() == [2]
+    deliver(warehouse, q3=range(2, 3))
+    assert ids(c.poll()) == [(3, 2)]  # from b's commit: nothing twice
+
+
+def test_a_member_that_stops_heartbeating_loses_its_queues_after_the_timeout(warehouse):
+    deliver(warehouse, q0=range(2), q1=range(2), q2=range(4), q3=range(4))
+    clock = Clock()
+    a, b = settled_pair(warehouse, clock)
+    drain(a)
+    assert ids(b.poll(4)) == [(2, 0), (3, 0), (2, 1), (3, 1)]
+    b.commit()
+    assert ids(b.poll(2)) == [(2, 2), (3, 2)]  # then b hangs before committing these
+
+    clock.advance(MEMBER_TIMEOUT_S - HEARTBEAT_INTERVAL_S)
+    assert a.poll() == []  # a heartbeat: b is not gone yet
+    assert a.members() == ["a", "b"]
+    clock.advance(HEARTBEAT_INTERVAL_S + 0.001)
+    # b's last heartbeat is older than the timeout: a takes 2 and 3 at b's
+    # commit, so what b polled and did not commit comes again (at-least-once)
+    assert ids(a.poll()) == [(2, 2), (3, 2), (2, 3), (3, 3)]
+    assert (a.members(), a.assignment()) == (["a"], [0, 1, 2, 3])
+    a.commit()
+
+    # b wakes up: it knows it was taken for gone, lets go and commits nothing
+    assert b.commit() == {}
+    assert b.assignment() == []  # joined again; its share is a's until a lets go
+    assert committed(warehouse) == {0: 2, 1: 2, 2: 4, 3: 4}
+
+
+def test_a_member_back_after_the_timeout_keeps_what_nobody_took_over(warehouse):
+    deliver(warehouse, q0=range(4), q1=range(4))
+    clock = Clock()
+    alone = member(warehouse, "a", clock)
+    assert ids(alone.poll(2)) == [(0, 0), (1, 0)]
+    clock.advance(3 * MEMBER_TIMEOUT_S)  # a slow batch: as long as nobody took over,
+    assert alone.commit() == {0: 1, 1: 1}  # the single member goes on as before
+    assert ids(alone.poll(2)) == [(0, 1), (1, 1)]
+
+    # now b takes over while a is silent, commits and leaves again
+    clock.advance(3 * MEMBER_TIMEOUT_S)
+    b = member(warehouse, "b", clock)
+    assert ids(b.poll(2)) == [(0, 1), (1, 1)]  # a's uncommitted ones, again
+    b.commit()
+    b.close()
+    # a is back: nobody holds its queues, but b moved their offsets: a starts there
+    assert alone.commit() == {}
+    assert ids(alone.poll()) == [(0, 2), (1, 2), (0, 3), (1, 3)]
+    assert alone.commit() == {0: 4, 1: 4}
+
+
+def test_close_hands_the_queues_over_at_the_next_heartbeat_not_after_the_timeout(warehouse):
+    deliver(warehouse, q0=range(2), q1=range(2), q2=range(3), q3=range(3))
+    clock = Clock()
+    a, b = settled_pair(warehouse, clock)
+    drain(a)
+    assert ids(b.poll(2)) == [(2, 0), (3, 0)]
+    b.commit()
+    b.close()
+
+    clock.advance(HEARTBEAT_INTERVAL_S)  # well within the timeout
+    assert ids(a.poll()) == [(2, 1), (3, 1), (2, 2), (3, 2)]  # from b's commit
+    assert (a.members(), a.assignment()) == (["a"], [0, 1, 2, 3])
+    rows = DeltaTable(table_path(warehouse, CONSUMER_MEMBERS)).to_pyarrow_table().to_pylist()
+    newest_of_b = max((r for r in rows if r["member"] == "b"), key=lambda r: r["heartbeat_ms"])
+    assert (newest_of_b["leaving"], newest_of_b["queues"]) == (True, [])
+
+
+def test_a_new_queue_is_shared_out_at_the_poll_that_finds_it(warehouse):
+    deliver(warehouse, q0=range(1), q1=range(1))
+    clock = Clock()
+    a, b = member(warehouse, "a", clock), member(warehouse, "b", clock)
+    a.commit()
+    b.commit()
+    clock.advance(HEARTBEAT_INTERVAL_S)
+    drain(a)
+    drain(b)
+    assert (a.assignment(), b.assignment()) == ([0], [1])
+
+    deliver(warehouse, q1=range(1, 2), q2=range(2))
+    # queues 0, 1, 2 now: a's share is 0 and 1, b's is 2. Before its next
+    # heartbeat b finds queue 2, lets go of 1 (unread) and takes 2 (nobody held it);
+    # a finds queue 2 as well and takes 1, which b's newest row no longer holds.
+    assert ids(b.poll()) == [(2, 0), (2, 1)]
+    b.commit()
+    assert ids(a.poll()) == [(1, 1)]  # from b's commit of queue 1
+    assert (a.assignment(), b.assignment()) == ([0, 1], [2])
+    assert sorted(committed(warehouse).items()) == [(0, 1), (1, 1), (2, 2)]
+
+
+def test_seek_refuses_a_queue_another_member_holds(warehouse):
+    deliver(warehouse, q0=range(3), q1=range(3), q2=range(3), q3=range(3))
+    clock = Clock()
+    a, b = settled_pair(warehouse, clock)
+    with pytest.raises(QueueNotAssignedError, match=r"queue 2 of topic 'ORDER' .* member 'a'"):
+        a.seek(2, 0)
+    b.seek(2, 2)
+    assert ids(b.poll(1)) == [(2, 2)]
+
+
+def test_two_push_consumers_share_the_queues_and_a_handed_over_queue_loses_its_retries(warehouse):
+    deliver(warehouse, q0=range(2), q1=range(2))
+    clock = Clock()
+    calls: list[tuple[str, int, int, int]] = []
+
+    def listener(name: str):
+        def call(message: ConsumedMessage) -> ConsumeResult:
+            calls.append((name, message.queue_id, message.queue_offset, message.reconsume_times))
+            if name == "a" and message.queue_id == 1:
+                return ConsumeResult.RECONSUME_LATER  # a cannot handle queue 1
+            return ConsumeResult.SUCCESS
+
+        return call
+
+    a = PushConsumer(warehouse, GROUP, "ORDER", listener("a"), clock=clock, member="a")
+    assert a.consume_once() == 3  # alone: 0/0, 0/1, and 1/0 fails
+    assert ("a", 1, 1, 0) not in calls  # 1/1 waits behind the retry of 1/0
+    b = PushConsumer(warehouse, GROUP, "ORDER", listener("b"), clock=clock, member="b")
+    assert b.consume_once() == 0  # its share, queue 1, is still a's
+
+    clock.advance(HEARTBEAT_INTERVAL_S)
+    calls.clear()
+    assert a.consume_once() == 0  # lets go of queue 1: its buffer and retry with it
+    assert a.consumer.assignment() == [0]
+    assert b.consume_once() == 2  # takes queue 1 at the committed offset 0
+    assert calls == [("b", 1, 0, 0), ("b", 1, 1, 0)]
+    deliver(warehouse, q0=range(2, 3), q1=range(2, 3))
+    calls.clear()
+    assert a.consume_once() + b.consume_once() == 2
+    assert sorted(calls) == [("a", 0, 2, 0), ("b", 1, 2, 0)]
+    a.shutdown()
+    b.shutdown()
+    assert committed(warehouse) == {0: 3, 1: 3}
+
+
+def test_two_push_consumers_in_background_threads_consume_every_message_once(warehouse):
+    """Real concurrency: both members' threads append to the same tables."""
+    deliver(warehouse, q0=range(2), q1=range(2), q2=range(2), q3=range(2))
+    clock = Clock()
+    lock = threading.Lock()
+    seen: Counter[tuple[int, int]] = Counter()
+    by_member: dict[str, set[int]] = {"a": set(), "b": set()}
+    enough = threading.Event()
+
+    def listener(name: str):
+        def call(message: ConsumedMessage) -> ConsumeResult:
+            with lock:
+                seen[message.queue_id, message.queue_offset] += 1
+                by_member[name].add(message.queue_id)
+                if sum(seen.values()) >= 24:
+                    enough.set()
+            return ConsumeResult.SUCCESS
+
+        return call
+
+    members = [
+        PushConsumer(
+            warehouse, GROUP, "ORDER", listener(n), clock=clock, member=n, idle_wait_s=0.005
+        )
+        for n in ("a", "b")
+    ]
+
+    def wait_until(condition) -> None:
+        done = threading.Event()
+        for _ in range(6000):  # 30 s at most
+            if condition():
+                return
+            done.wait(0.005)  # the threads' progress, not the clock: that is driven below
+        raise AssertionError("the consumers did not get there")
+
+    def heartbeated() -> bool:  # both made a round at the clock's time
+        return all(p.consumer._heartbeat_ms == int(clock.now * 1000) for p in members)
+
+    for push in members:
+        push.start()
+    try:
+        wait_until(heartbeated)
+        for _ in range(6):  # a hand-over takes a heartbeat or two of each
+            if (members[0].assignment(), members[1].assignment()) == ([0, 1], [2, 3]):
+                break
+            clock.advance(HEARTBEAT_INTERVAL_S)
+            wait_until(heartbeated)
+        assert (members[0].assignment(), members[1].assignment()) == ([0, 1], [2, 3])
+        with lock:
+            by_member["a"].clear()
+            by_member["b"].clear()
+        deliver(warehouse, q0=range(2, 6), q1=range(2, 6), q2=range(2, 6), q3=range(2, 6))
+        assert enough.wait(timeout=30), f"only {sum(seen.values())} consumed"
+    finally:
+        for push in members:
+            push.shutdown()
+    assert all(p.last_error is None for p in members)
+    assert sorted(seen) == [(q, o) for q in range(4) for o in range(6)]
+    assert set(seen.values()) == {1}  # nothing twice
+    assert by_member == {"a": {0, 1}, "b": {2, 3}}
+    assert committed(warehouse) == {q: 6 for q in range(4)}
+
+
+@pytest.mark.parametrize(
+    "kwargs, problem",
+    [
+        ({"member_timeout_s": 0}, "member_timeout_s must be a positive"),
+        ({"member_timeout_s": -5}, "member_timeout_s must be a positive"),
+        ({"member_timeout_s": float("nan")}, "member_timeout_s must be a positive"),
+        ({"member_timeout_s": "30"}, "member_timeout_s must be a number"),
+        ({"heartbeat_interval_s": 0}, "heartbeat_interval_s must be a positive"),
+        (
+            {"member_timeout_s": 10},
+            r"member_timeout_s \(10\) must be longer than heartbeat_interval",
+        ),
+        (
+            {"member_timeout_s": 5, "heartbeat_interval_s": 6},
+            r"member_timeout_s \(5\) must be longer than heartbeat_interval_s \(6\)",
+        ),
+        ({"member_timeout_s": 2 * 86_400}, "member_timeout_s must be at most 86400"),
+        ({"member": ""}, "member must be 1..255 printable"),
+        ({"member": " a"}, "member must be 1..255 printable"),
+        ({"member": 7}, "member must be a string"),
+    ],
+)
+def test_bad_membership_settings_are_refused(warehouse, kwargs, problem):
+    with pytest.raises(ConfigError, match=problem):
+        Consumer(warehouse, GROUP, "ORDER", **kwargs)
+    with pytest.raises(ConfigError, match=problem):
+        PushConsumer(warehouse, GROUP, "ORDER", lambda m: ConsumeResult.SUCCESS, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "corruption, problem",
+    [
+        ({"leaving": None}, "leaving is None"),
+        ({"heartbeat_ms": None}, "heartbeat_ms is None"),
+        ({"queues": [0, -1]}, r"queues is \[0, -1\]"),
+    ],
+)
+def test_a_corrupt_membership_row_stops_the_group_with_a_clear_error(
+    warehouse, corruption, problem
+):
+    deliver(warehouse, q0=range(2))
+    clock = Clock()
+    # written with a schema that lets a null in, as a foreign writer might
+    schema = pa.schema([f.with_nullable(True) for f in arrow_schema(CONSUMER_MEMBERS)])
+    row = {
+        "group": GROUP,
+        "topic": "ORDER",
+        "member": "z",
+        "heartbeat_ms": int(clock.now * 1000),
+        "leaving": False,
+        "queues": [0],
+        **corruption,
+    }
+    path = table_path(warehouse, CONSUMER_MEMBERS)
+    write_deltalake(path, pa.Table.from_pylist([row], schema=schema), mode="append")
+
+    consumer = member(warehouse, "a", clock)
+    with pytest.raises(
+        CorruptMembershipError, match=rf"group 'billing', topic 'ORDER', member 'z'.*{problem}"
+    ):
+        consumer.poll()
+    assert DeltaTable(path).to_pyarrow_table().num_rows == 1  # nothing deleted, nothing joined
+    assert committed(warehouse) == {}  # nothing consumed
+    other = Consumer(warehouse, "shipping", "ORDER", clock=clock)  # other groups go on
+    assert ids(other.poll()) == [(0, 0), (0, 1)]
+
+
+def test_maintenance_expires_old_heartbeats_and_superseded_offsets(warehouse):
+    deliver(warehouse, q0=range(6), q1=range(6))
+    clock = Clock()
+    gone = member(warehouse, "gone", clock)
+    gone.poll(2)
+    gone.commit()
+    gone.close()
+    clock.advance(2 * DAY_MS / 1000)
+    a = member(warehouse, "a", clock)
+    for _ in range(4):
+        a.poll(2)
+        a.commit()  # one offsets row per queue each
+        clock.advance(HEARTBEAT_INTERVAL_S)
+    offsets_path = table_path(warehouse, CONSUMER_OFFSETS)
+    assert DeltaTable(offsets_path).to_pyarrow_table().num_rows == 10
+    before = committed(warehouse)
+
+    report = maintain_consumer_tables(warehouse, int(clock.now * 1000))
+    assert (report.expired_member_rows, report.superseded_offset_rows) == (2, 8)
+    members = DeltaTable(table_path(warehouse, CONSUMER_MEMBERS)).to_pyarrow_table()
+    assert set(members["member"].to_pylist()) == {"a"}
+    assert committed(warehouse) == before == {0: 5, 1: 5}
+    assert DeltaTable(offsets_path).to_pyarrow_table().num_rows == 2  # the newest of each queue
+    assert report.compacted_files[CONSUMER_MEMBERS.path] > 1
+
+    # the member goes on as before
+    deliver(warehouse, q1=range(6, 7))
+    assert ids(a.poll()) == [(0, 5), (1, 5), (1, 6)]
+    assert a.commit() == {0: 6, 1: 7}
+    assert maintain_consumer_tables(warehouse, int(clock.now * 1000)).superseded_offset_rows == 2
+
+
+def test_the_producers_maintenance_does_the_consumer_tables_too_and_keeps_corrupt_rows(warehouse):
+    # a foreign writer's row with a null: maintenance leaves it to an operator
+    schema = pa.schema([f.with_nullable(True) for f in arrow_schema(CONSUMER_OFFSETS)])
+    corrupt = {"group": "other", "topic": "ORDER", "queue_id": 0, "next_offset": 1}
+    offsets_path = table_path(warehouse, CONSUMER_OFFSETS)
+    write_deltalake(
+        offsets_path,
+        pa.Table.from_pylist([{**corrupt, "member": "m", "committed_ms": None}], schema=schema),
+        mode="append",
+    )
+    deliver(warehouse, q0=range(3))
+    clock = Clock()
+    consumer = member(warehouse, "a", clock)
+    for _ in range(3):
+        consumer.poll(1)
+        consumer.commit()
+        clock.advance(1)
+
+    with Broker.open(warehouse, config=Config(warehouse=warehouse)) as broker:
+        report = maintain(broker, now_ms=int(clock.now * 1000))
+    assert report.superseded_offset_rows == 2
+    assert report.to_dict()["superseded_offset_rows"] == 2
+    rows = DeltaTable(offsets_path).to_pyarrow_table().to_pylist()
+    assert sorted((r["group"], r["next_offset"], r["committed_ms"]) for r in rows) == [
+        ("billing", 3, 1_002_000),
+        ("other", 1, None),
+    ]
+
+
+def test_an_append_a_concurrent_maintenance_commit_refused_is_made_again(warehouse, monkeypatch):
+    # delta-rs refuses an append that a concurrent delete or compaction overlaps
+    import txn_core.consumer_group as consumer_group
+
+    real, refused = consumer_group.write_deltalake, []
+
+    def once_refused(table, rows, **kwargs):
+        if not refused:
+            refused.append(table.table_uri)
+            raise CommitFailedError("a concurrent transaction deleted data this operation read")
+        real(table, rows, **kwargs)
+
+    monkeypatch.setattr(consumer_group, "write_deltalake", once_refused)
+    deliver(warehouse, q0=range(2))
+    consumer = member(warehouse, "a", Clock())
+    assert ids(consumer.poll()) == [(0, 0), (0, 1)]  # its join's row was refused once
+    assert consumer.commit() == {0: 2}
+    assert refused and committed(warehouse) == {0: 2}
+
+
+# --- on S3 (MinIO on loopback) ---------------------------------------------------------
+
+
+def test_on_s3_two_members_split_the_queues(s3):
+    from txn_core.config import load_config
+
+    config = load_config(env={}, **s3.config())
+    clock = Clock()
+    a = Consumer(config, GROUP, "ORDER", clock=clock, member="a")
+    b = Consumer(config, GROUP, "ORDER", clock=clock, member="b")
+    deliver(a.warehouse, q0=range(2), q1=range(2))
+    a.commit()
+    b.commit()
+    clock.advance(HEARTBEAT_INTERVAL_S)
+    assert drain(a) == [(0, 0), (0, 1)]
+    assert drain(b) == [(1, 0), (1, 1)]
+    assert read_committed_offsets(a.warehouse, GROUP, "ORDER") == {0: 2, 1: 2}
+    b.close()
+    clock.advance(HEARTBEAT_INTERVAL_S)
+    deliver(a.warehouse, q1=range(2, 3))
+    assert drain(a) == [(1, 2)]
