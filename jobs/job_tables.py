@@ -111,8 +111,12 @@ def latest_version(path: str) -> int:
     """
     from deltalake.exceptions import TableNotFoundError
 
-    from txn_core.delta_log import open_table
+    from txn_core.delta_log import latest_local_version, local_path, open_table
 
+    root = local_path(path)
+    if root is not None:  # a listing of the log, no replay of it
+        version = latest_local_version(root)
+        return NO_VERSION if version is None else version
     try:  # producers may be adding to the log meanwhile
         return open_table(path, storage_options=options_for(path)).version()
     except TableNotFoundError:

@@ -12,6 +12,7 @@ defined here. No Spark: the broker core imports it.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from typing import Any
@@ -76,6 +77,24 @@ def open_table(
                 raise
             time.sleep(0.005 * attempt)
     raise AssertionError("unreachable")
+
+
+_ENTRY = re.compile(r"^(\d{20})\.json$")
+
+
+def latest_local_version(root: str) -> int | None:
+    """The newest version whose commit entry is in the `_delta_log` of the
+    table directory `root`, or None when it has none (no table).
+
+    A listing, no log replay: an entry is linked into place whole, so its
+    name alone says the version is committed.
+    """
+    try:
+        names = os.listdir(os.path.join(root, LOG_DIR))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    versions = [int(m.group(1)) for m in map(_ENTRY.match, names) if m]
+    return max(versions, default=None)
 
 
 def entry_name(version: int) -> str:

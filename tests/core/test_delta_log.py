@@ -36,3 +36,15 @@ def test_any_other_error_or_a_gap_that_stays_is_raised(tmp_path, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(Exception, match="does not exist"):  # not a retry: at once
         delta_log.open_table(str(tmp_path / "none"))
+
+
+def test_the_latest_local_version_is_the_newest_entry_listed(tmp_path):
+    assert delta_log.latest_local_version(str(tmp_path / "none")) is None
+    table = str(tmp_path / "t")
+    write_deltalake(table, pa.table({"a": [1]}))
+    for _ in range(11):
+        write_deltalake(table, pa.table({"a": [2]}), mode="append")
+    DeltaTable(table).create_checkpoint()
+    # an entry being written elsewhere and not linked yet is not a version
+    (tmp_path / "t" / "_delta_log" / "_commit_0123.json.tmp").write_text("{}")
+    assert delta_log.latest_local_version(table) == DeltaTable(table).version() == 11

@@ -83,8 +83,39 @@ def test_a_delete_in_the_range_falls_back_to_the_change_feed(spark, warehouse):
     ) == [1, 2, 3]  # the rewrite inserts nothing
 
 
+def _merge(path: str, *rows: dict, update: bool = False) -> None:
+    source = pa.Table.from_pylist([fx.half(**r) for r in rows], schema=arrow_schema(HALF))
+    merge = DeltaTable(path).merge(
+        source, "t.half_offset = s.half_offset", source_alias="s", target_alias="t"
+    )
+    if update:
+        merge = merge.when_matched_update({"tags": "s.tags"})
+    merge.when_not_matched_insert_all().execute()
+
+
+def test_a_merge_that_only_inserts_is_read_as_parquet_and_one_that_updates_is_not(spark, warehouse):
+    """The producers answer checks with an insert-only MERGE: its change file
+    repeats the rows it adds, which may be read from the added file."""
+    fx.write_halves(warehouse, fx.half(1), fx.half(2))
+    path = table_path(warehouse, HALF)
+    _merge(path, {"half_offset": 2}, {"half_offset": 3})  # 2 exists: only 3 is inserted
+    inserted = DeltaTable(path).version()
+    assert '"cdc"' in open(appends.log_entry(path, inserted)).read()
+    files = appends.appended_files(path, inserted - 1, inserted)
+    assert files is not None and [v for v, _, _ in files] == [inserted]
+    _same_as_change_feed(spark, path, 0, inserted)
+    assert sorted(
+        r.half_offset for r in inputs.added_rows(spark, path, HALF, 1, inserted).collect()
+    ) == [3]
+
+    _merge(path, {"half_offset": 3, "tags": "changed"}, {"half_offset": 4}, update=True)
+    updated = DeltaTable(path).version()
+    assert appends.appended_files(path, inserted, updated) is None  # rewrites 3's file
+    _same_as_change_feed(spark, path, inserted, updated)
+
+
 def test_only_rows_from_the_change_feed_are_handed_to_keep_slow(spark, warehouse):
-    fx.write_halves(warehouse, fx.half(1))
+    fx.write_halves(warehouse, fx.half(1), fx.half(5))
     path = table_path(warehouse, HALF)
     kept = []
 
@@ -94,10 +125,10 @@ def test_only_rows_from_the_change_feed_are_handed_to_keep_slow(spark, warehouse
 
     inputs.added_rows(spark, path, HALF, 0, 1, keep_slow=keep)  # a plain append: parquet
     assert kept == []
-    DeltaTable(path).delete("half_offset = 1")
+    DeltaTable(path).delete("half_offset = 1")  # rewrites the file with 5 in it
     fx.write_halves(warehouse, fx.half(2))
     rows = inputs.added_rows(spark, path, HALF, 0, 3, keep_slow=keep)
-    assert kept == [rows] and sorted(r.half_offset for r in rows.collect()) == [1, 2]
+    assert kept == [rows] and sorted(r.half_offset for r in rows.collect()) == [1, 2, 5]
 
 
 def test_tables_it_cannot_read_as_written_are_left_to_the_change_feed(warehouse):
@@ -168,3 +199,16 @@ def test_a_state_table_with_deletion_vectors_is_read_by_delta(spark, warehouse):
     version = DeltaTable(path).version()
     assert appends.snapshot_files(path, version) is None  # its files hold a deleted row
     assert sorted(r.half_offset for r in _read_whole(spark, warehouse, version).collect()) == [1, 3]
+
+
+def test_the_driver_reads_files_written_before_a_column_was_added_with_it_null(tmp_path):
+    import pyarrow.parquet as pq
+
+    schema = arrow_schema(HALF)
+    old, new = str(tmp_path / "old.parquet"), str(tmp_path / "new.parquet")
+    row = fx.half(1)
+    pq.write_table(pa.Table.from_pylist([row], schema=schema).drop_columns(["message_type"]), old)
+    pq.write_table(pa.Table.from_pylist([{**fx.half(2), "message_type": "NORMAL"}], schema), new)
+    rows = appends._read_local_files([(3, old, 0), (4, new, 0)], schema).to_pylist()
+    got = {r["half_offset"]: (r["message_type"], r["commit_version"]) for r in rows}
+    assert got == {1: (None, 3), 2: ("NORMAL", 4)}
