@@ -95,7 +95,10 @@ HALF = TableSchema(
     + _cols(
         # NORMAL (a plain message: committed by its store) or TRANSACTION;
         # null: TRANSACTION (txn_core.vocabulary.MessageType)
-        ("message_type", "string")
+        ("message_type", "string"),
+        # when a delayed message is due (epoch ms, the broker core's clock, as
+        # store_ms): store_ms + its delay, or its deliver_at_ms; null: at once
+        ("deliver_at_ms", "bigint"),
     ),
     writer="broker",
 )
