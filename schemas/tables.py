@@ -269,6 +269,23 @@ RESOLVED = TableSchema(
     ),
 )
 
+# Committed messages not due yet (docs/protocol.md §4, "Delayed messages"):
+# appended by the run that reads the commit, each run's rows sorted by
+# due_ms into files of narrow ranges, so a run reading what falls due in
+# (its previous watermark, its own] skips every other file by its statistics
+# (due_ms first: the only column with statistics). Never rewritten by a run.
+SCHEDULED = TableSchema(
+    "_sys/scheduled",
+    _cols(
+        ("due_ms", "bigint", False),
+        ("commit_ms", "bigint", False),
+        # the version of the table that committed it (`_sys/half` for a plain message)
+        ("commit_version", "bigint", False),
+    )
+    + _STORED
+    + _cols(("run_number", "bigint", False)),
+)
+
 QUEUES = TableSchema(
     "_sys/queues",
     _cols(
@@ -367,6 +384,7 @@ ALL_TABLES = (
     RUNS,
     PENDING,
     RESOLVED,
+    SCHEDULED,
     QUEUES,
     REJECTED,
     LEASE,
