@@ -102,3 +102,29 @@ def test_the_delay_levels_setting_is_validated_naming_the_key(tmp_path):
             load_config(env={}, delay_levels=bad)
     with pytest.raises(ConfigError, match="max_delay_ms"):
         load_config(env={}, max_delay_ms=0)
+
+
+def test_sends_sharing_a_commit_each_get_store_ms_plus_their_own_delay(warehouse):
+    """Group commit merges delayed and undelayed sends into one commit: the
+    relative delays are added to the one store_ms the writer stamps."""
+    import threading
+
+    ticks = iter(range(NOW, NOW + 10**6))
+    with Broker.open(Config(warehouse=warehouse), clock=lambda: next(ticks)) as b:
+        producer = Producer(b, "order_group")
+
+        def send(i: int) -> None:
+            delay = {"delay_ms": i * 100} if i % 2 else {}
+            producer.send(Message(topic="ORDER", body=str(i).encode(), **delay))
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(40)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    rows = half_rows(warehouse)
+    assert len(rows) == 40
+    for r in rows:
+        i = int(r["body"])
+        expected = r["store_ms"] + i * 100 if i % 2 else None
+        assert r["deliver_at_ms"] == expected, r
