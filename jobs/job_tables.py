@@ -9,7 +9,16 @@ from pyspark.sql import SparkSession
 
 from schemas import TOPIC, TableSchema, table_path, topic_path
 from schemas.arrow import arrow_schema
-from schemas.tables import CHECK_REQUESTS, DISCARD, PENDING, QUEUES, REJECTED, RESOLVED, RUNS
+from schemas.tables import (
+    CHECK_REQUESTS,
+    DISCARD,
+    PENDING,
+    QUEUES,
+    REJECTED,
+    RESOLVED,
+    RUNS,
+    SCHEDULED,
+)
 from txn_core.storage import options_for
 
 log = logging.getLogger(__name__)
@@ -24,15 +33,15 @@ CDF_PROPERTIES = {"delta.enableChangeDataFeed": "true"}
 #: are ever used to skip files: consumers seek a topic by (queue_id,
 #: queue_offset), a run looks resolved messages up by half_offset and the last
 #: run by run_number; the pending set is read whole.
-STATS_COLUMNS = {TOPIC.path: 2, RESOLVED.path: 1, PENDING.path: 1, RUNS.path: 2}
+STATS_COLUMNS = {TOPIC.path: 2, RESOLVED.path: 1, PENDING.path: 1, RUNS.path: 2, SCHEDULED.path: 1}
 
 
 #: `_sys/runs` last: once it exists, all the others do (one existence check per run)
-JOB_TABLES = (PENDING, QUEUES, RESOLVED, REJECTED, DISCARD, CHECK_REQUESTS, RUNS)
+JOB_TABLES = (PENDING, QUEUES, RESOLVED, REJECTED, DISCARD, CHECK_REQUESTS, SCHEDULED, RUNS)
 
 
 #: state tables a run reads, pinned by version in its intent
-STATE_TABLES = (PENDING, QUEUES, RESOLVED, DISCARD)
+STATE_TABLES = (PENDING, QUEUES, RESOLVED, DISCARD, SCHEDULED)
 
 
 #: state tables a run reads whole, not looked up by key
@@ -87,7 +96,8 @@ def table_properties(table: TableSchema) -> dict[str, str]:
 
 
 def ensure_job_tables(warehouse: str) -> None:
-    if is_delta(table_path(warehouse, RUNS)):
+    # `_sys/scheduled` came after the others: a warehouse may have them all but it
+    if is_delta(table_path(warehouse, RUNS)) and is_delta(table_path(warehouse, SCHEDULED)):
         return
     for table in JOB_TABLES:
         path = table_path(warehouse, table)

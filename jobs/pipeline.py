@@ -9,14 +9,23 @@ from dataclasses import dataclass, field
 from pyspark.sql import functions as F
 from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
 
-from jobs import inputs, run_log
+from jobs import inputs, job_tables, run_log, scheduled
 from jobs import transforms as T
 from jobs.counters import Counters
 from jobs.held import Held
 from jobs.local import local_frame
 from jobs.writes import RunWrites, start_deliveries
 from schemas import CHECK_ANSWERS, HALF, OP, table_path
-from schemas.tables import CHECK_REQUESTS, DISCARD, PENDING, QUEUES, REJECTED, RESOLVED
+from schemas.tables import (
+    CHECK_REQUESTS,
+    DISCARD,
+    PENDING,
+    QUEUES,
+    REJECTED,
+    RESOLVED,
+    SCHEDULED,
+    STORED_MESSAGE_COLUMNS,
+)
 from txn_core.vocabulary import Decision
 
 #: above this many OPs for messages no longer pending, look them up by a join, not IN (...)
@@ -112,16 +121,37 @@ def compute(
     # observations (counted once) or the checks: a rejected half has no fate
     messages = T.live_messages(pending_prev, half, rules)
     plain = _plain_keys(checked, rules, held) if counted.values()["plain"] else None
+    later = _scheduling(plain, rules)
+    # delayed messages due in (the previous watermark, this run's]: their keys
+    due = T.due_scheduled(inputs.read_state(spark, wh, record.state_versions, SCHEDULED), rules)
+    due_keys = held.checkpoint(T.scheduled_winners(due)) if rules.scheduled_before else None
+    n_due = due_keys.count() if due_keys is not None else 0
+    later["delivered_scheduled"] = n_due
+    later["next_scheduled_ms"] = _earliest(
+        scheduled.next_due_after(
+            wh, record.state_versions.get(SCHEDULED.path, job_tables.NO_VERSION), rules.watermark_ms
+        )
+        if rules.scheduled_before > n_due
+        else None,
+        later.pop("_new_earliest"),
+    )
+    later["scheduled_after"] = rules.scheduled_before + later["scheduled"] - n_due
     no_history = T.history_targets(inputs.empty(spark, RESOLVED), inputs.empty(spark, DISCARD))
     targets = T.op_targets(live, no_history)
     if plain is not None:  # an OP naming a plain message of this run: a duplicate or a conflict
         targets = targets.unionByName(T.plain_targets(plain))
     classified = held.checkpoint(counted.ops(T.classify_ops(ops, targets, discards=False)))
     classified, discard_hist = _with_history(spark, wh, record, classified, held, counted)
-    c = counted.values()
+    c = _with_scheduling(counted.values(), later)
     won_ops = T.winners(classified)
-    # plain messages: committed by their store, delivered among the winning COMMITs
-    won = won_ops if plain is None else won_ops.unionByName(T.plain_winners(plain))
+    # plain messages: committed by their store, delivered among the winning
+    # COMMITs; the delayed ones once due
+    won = won_ops
+    if plain is not None:
+        now, _ = T.split_plain(plain, rules)
+        won = won.unionByName(T.plain_winners(now), allowMissingColumns=True)
+    if n_due:
+        won = won.unionByName(due_keys, allowMissingColumns=True)
     # before any write: Spark gives a job's tasks the cores in the order
     # the jobs came, and this small one would wait for a write's
     queue_ends = sorted(tuple(row) for row in T.queue_ends(won, queues).collect())
@@ -142,20 +172,31 @@ def compute(
             "append",
             rows=c["committed"] + c["rolled_back"],
         )
+    if writing and later["scheduled"]:
+        writes.start(
+            _scheduled_files(T.scheduled_rows(_plain_rows(checked, rules), rules), later),
+            table_path(wh, SCHEDULED),
+            SCHEDULED.path,
+            "append",
+            rows=later["scheduled"],
+        )
     known = T.known_messages(messages, discard_hist)
+    if n_due:
+        known = known.unionByName(due.select(*STORED_MESSAGE_COLUMNS))
     if writing and delivered_by_topic:  # the biggest write: started before the others are planned
         delivered = T.with_bodies(
-            T.queue_positions(won, queues, plain=plain is not None),
+            T.queue_positions(won, queues, plain=plain is not None or n_due > 0),
             known,
             broadcast=c["committed"] <= BROADCAST_MAX_ROWS,
         )
         start_deliveries(wh, T.deliveries(delivered, rules), delivered_by_topic, writes)
     few_won = c["committed"] - c["plain"] + c["rolled_back"] <= BROADCAST_MAX_ROWS
+    few_won = few_won and c["delivered_scheduled"] <= BROADCAST_MAX_ROWS
     undecided = T.remaining_pending(live, won_ops, broadcast=few_won)
     decided = held.checkpoint(
         counted.fates(T.decide(T.apply_answers(undecided, answers), rules), rules)
     )
-    c = {k: v for k, v in counted.values().items() if not k.startswith("_")}
+    c = {k: v for k, v in _with_scheduling(counted.values(), later).items() if k[0] != "_"}
     # no new version: nothing to count, and no Spark job to wait for
     c["answers_read"] = (
         answers.count() if record.answers_version > record.prev_answers_version else 0
@@ -177,6 +218,52 @@ def compute(
         counts=c,
         delivered_by_topic=delivered_by_topic,
     )
+
+
+#: rows per file of a run's scheduled rows, sorted by due_ms: a run reading
+#: what falls due opens the few files whose due_ms range meets its window
+SCHEDULED_ROWS_PER_FILE = 25_000
+
+
+def _scheduled_files(rows, later: dict):
+    """The run's SCHEDULED rows in files of narrow due_ms ranges, sorted."""
+    files = max(1, -(-later["scheduled"] // SCHEDULED_ROWS_PER_FILE))
+    return rows.repartitionByRange(files, "due_ms").sortWithinPartitions("due_ms", "half_offset")
+
+
+def _scheduling(plain, rules: T.Rules) -> dict:
+    """How many of the run's plain messages (`plain` keys, or None) it
+    schedules, and the earliest due time among them (`_new_earliest`)."""
+    if plain is None:
+        return {"scheduled": 0, "_new_earliest": None}
+    _, later = T.split_plain(plain, rules)
+    row = later.agg(F.count(F.lit(1)), F.min("deliver_at_ms")).first()
+    return {"scheduled": int(row[0]), "_new_earliest": row[1]}
+
+
+def _earliest(*times: int | None) -> int | None:
+    known = [t for t in times if t is not None]
+    return min(known) if known else None
+
+
+def _with_scheduling(c: dict, later: dict) -> dict:
+    """The counters `jobs.counters` observed, with the scheduled set's:
+    `committed` counts the messages this run delivers (the plain ones it
+    schedules instead are left out, the due ones it delivers counted), and
+    `next_due_ms` covers the earliest scheduled due time."""
+    c = {**c, **later}
+    if "committed" in c:
+        c["committed"] += later["delivered_scheduled"] - later["scheduled"]
+    if "next_due_ms" in c or later["next_scheduled_ms"] is not None:
+        c["next_due_ms"] = _earliest(c.get("next_due_ms"), later["next_scheduled_ms"])
+    return c
+
+
+def _plain_rows(checked, rules: T.Rules):
+    """The run's plain half rows, whole (`T.scheduled_rows` takes the delayed ones)."""
+    accepted, _ = T.split_halves(checked, rules)
+    _, plain = T.split_kinds(accepted)
+    return plain
 
 
 def _plain_keys(checked, rules: T.Rules, held: Held):

@@ -60,8 +60,19 @@ class RunSummary(run_log.InputVersions):
     #: plain messages read (and delivered) by this run, counted in `committed` too
     plain: int = 0
     #: the earliest now_ms at which a pending message becomes due for a check
-    #: or a discard under this run's rules (None: nothing pending)
+    #: or a discard under this run's rules, or a scheduled message due for
+    #: delivery (None: nothing pending or scheduled)
     next_due_ms: int | None = None
+    #: the run's watermark: the latest clock of the runs so far (delayed
+    #: messages due at or before it are delivered)
+    watermark_ms: int = -1
+    #: delayed plain messages this run read and scheduled (not due yet)
+    scheduled: int = 0
+    #: scheduled messages this run delivered (counted in `committed` too)
+    delivered_scheduled: int = 0
+    #: the scheduled set after this run: how many wait, and the earliest due time
+    scheduled_after: int = 0
+    next_scheduled_ms: int | None = None
     #: True when nothing was new and nothing due: only the run record was written
     idle: bool = False
     dry_run: bool = False
@@ -168,7 +179,9 @@ def _nothing_to_do(last: run_log.RunRecord | None, intent: run_log.RunRecord) ->
     )
     same_rules = T.Rules.from_json(last.rules_json).same_rules(T.Rules.from_json(intent.rules_json))
     pending, due = last.counters.get("pending_after"), last.counters.get("next_due_ms")
-    nothing_due = pending == 0 or (due is not None and intent.now_ms < due)
+    waiting = run_log.decode_json(last.summary_json).get("scheduled_after", 0)
+    # next_due_ms covers the scheduled set's earliest due time too
+    nothing_due = (pending == 0 and not waiting) or (due is not None and intent.now_ms < due)
     return unchanged and same_rules and nothing_due
 
 
@@ -190,6 +203,7 @@ def _record_idle_run(wh: str, last: run_log.RunRecord, intent: run_log.RunRecord
     row: with no other write there is nothing for an intent to make atomic."""
     started = time.time()
     prev = last.counters
+    carried = run_log.decode_json(last.summary_json)
     oldest = prev.get("oldest_pending_age_ms")
     summary = RunSummary(
         run_id=intent.run_id,
@@ -217,6 +231,9 @@ def _record_idle_run(wh: str, last: run_log.RunRecord, intent: run_log.RunRecord
         **intent.input_versions(),
         next_due_ms=prev.get("next_due_ms"),
         idle=True,
+        watermark_ms=T.Rules.from_json(intent.rules_json).watermark_ms,
+        scheduled_after=carried.get("scheduled_after", 0),
+        next_scheduled_ms=carried.get("next_scheduled_ms"),
     )
     summary.duration_ms = int((time.time() - started) * 1000)
     _commit(wh, intent, summary)
@@ -258,7 +275,7 @@ def _new_intent(
     number = (last.run_number if last else 0) + 1
     now = int(time.time() * 1000) if now_ms is None else now_ms
     run_id = f"run-{number:08d}-{now}"
-    rules = T.Rules.from_config(cfg, run_id=run_id, run_number=number, now_ms=now)
+    rules = T.Rules.from_config(cfg, run_id=run_id, run_number=number, now_ms=now, **_carried(last))
     nothing = job_tables.NO_VERSION
     return run_log.RunRecord(
         run_id=run_id,
@@ -275,6 +292,19 @@ def _new_intent(
         state_versions=versions,
         rules_json=rules.to_json(),
     )
+
+
+def _carried(last: run_log.RunRecord | None) -> dict:
+    """What a run takes over from the last one besides its input versions:
+    its watermark (a run recorded before watermarks: its clock) and the
+    size of the scheduled set."""
+    if last is None:
+        return {}
+    summary = run_log.decode_json(last.summary_json)
+    watermark = summary.get("watermark_ms")
+    if watermark is None:
+        watermark = max(T.Rules.from_json(last.rules_json).watermark_ms, last.now_ms)
+    return {"prev_watermark_ms": watermark, "scheduled_before": summary.get("scheduled_after", 0)}
 
 
 @dataclass
@@ -320,6 +350,7 @@ def _summary(record: run_log.RunRecord, out: Outputs, duration_ms: int) -> RunSu
     return RunSummary(
         run_id=record.run_id,
         now_ms=record.now_ms,
+        watermark_ms=T.Rules.from_json(record.rules_json).watermark_ms,
         delivered_by_topic=out.delivered_by_topic,
         duration_ms=duration_ms,
         run_number=record.run_number,

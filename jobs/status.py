@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from pyspark.sql import functions as F
 
 from jobs import inputs, job_tables, run_log
 from jobs.session import use_warehouse
 from schemas import HALF, PENDING, table_path
+from schemas.tables import SCHEDULED
 from txn_core.config import Config, as_config
 from txn_core.vocabulary import RunStatus
 
@@ -28,6 +29,11 @@ class StatusReport:
     pending_by_topic: dict[str, int]
     #: half-table versions written since the last run read it (not yet in `pending`)
     unread_half_versions: int
+    #: the scheduled set (delayed messages committed, not due yet) as of the
+    #: last committed run: how many, the earliest due time, how many per topic
+    scheduled: int = 0
+    next_scheduled_ms: int | None = None
+    scheduled_by_topic: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -51,6 +57,7 @@ def status(spark, config: Config | dict, now_ms: int | None = None) -> StatusRep
             rows = pending.groupBy(c).agg(F.count(F.lit(1)).alias("n")).orderBy(c).collect()
             return {r[c]: r["n"] for r in rows}
 
+        waiting = _scheduled(spark, wh, last)
         half_v = job_tables.latest_version(table_path(wh, HALF))
         read_v = last.half_version if last else job_tables.NO_VERSION
         return StatusReport(
@@ -66,6 +73,31 @@ def status(spark, config: Config | dict, now_ms: int | None = None) -> StatusRep
             pending_by_producer_group=by("producer_group"),
             pending_by_topic=by("topic"),
             unread_half_versions=max(half_v - read_v, 0),
+            **waiting,
         )
     finally:
         pending.unpersist()
+
+
+def _scheduled(spark, wh: str, last: run_log.RunRecord | None) -> dict:
+    """The scheduled set after the last committed run: the rows of
+    `_sys/scheduled` due after its watermark (a scan of what waits: an
+    operator's look, not a run's)."""
+    path = table_path(wh, SCHEDULED)
+    if last is None or last.status != RunStatus.COMMITTED or not job_tables.is_delta(path):
+        return {}
+    summary = run_log.decode_json(last.summary_json)
+    if not summary.get("scheduled_after"):
+        return {}
+    waiting = (
+        spark.read.format("delta")
+        .load(path)
+        .where(F.col("due_ms") > F.lit(summary.get("watermark_ms", last.now_ms)))
+    )
+    rows = waiting.groupBy("topic").agg(F.count(F.lit(1)).alias("n"))
+    by_topic = {r["topic"]: r["n"] for r in rows.orderBy("topic").collect()}
+    return {
+        "scheduled": sum(by_topic.values()),
+        "next_scheduled_ms": summary.get("next_scheduled_ms"),
+        "scheduled_by_topic": by_topic,
+    }

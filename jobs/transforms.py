@@ -27,6 +27,7 @@ from schemas.tables import (
     QUEUES,
     REJECTED,
     RESOLVED,
+    SCHEDULED,
     STORED_MESSAGE_COLUMNS,
 )
 from txn_core.vocabulary import (
@@ -64,6 +65,10 @@ OP_COLUMNS = (*OP.names, "commit_version")
 UNKNOWN_OFFSET = "unknown half_offset"
 
 
+#: what Rules carries from run to run besides the rules themselves
+_CARRIED = ("watermark_ms", "prev_watermark_ms", "scheduled_before")
+
+
 @dataclass(frozen=True)
 class Rules:
     """Everything the rules depend on besides the data; stored in the run's intent."""
@@ -77,13 +82,34 @@ class Rules:
     reserved_ms: int
     max_checks_per_run: int
     check_budget: str
+    #: the run's watermark W: the latest clock of any run so far, this one's
+    #: included; committed messages due at or before it are delivered
+    #: (docs/protocol.md §4, "Delayed messages"). -1: no clock yet
+    watermark_ms: int = -1
+    #: the previous run's watermark: scheduled messages due in
+    #: (prev_watermark_ms, watermark_ms] are this run's to deliver
+    prev_watermark_ms: int = -1
+    #: how many messages the scheduled set held before this run
+    scheduled_before: int = 0
 
     @classmethod
-    def from_config(cls, config, *, run_id: str, run_number: int, now_ms: int) -> Rules:
+    def from_config(
+        cls,
+        config,
+        *,
+        run_id: str,
+        run_number: int,
+        now_ms: int,
+        prev_watermark_ms: int = -1,
+        scheduled_before: int = 0,
+    ) -> Rules:
         return cls(
             run_id=run_id,
             run_number=run_number,
             now_ms=now_ms,
+            watermark_ms=max(prev_watermark_ms, now_ms),
+            prev_watermark_ms=prev_watermark_ms,
+            scheduled_before=scheduled_before,
             transaction_timeout_ms=config.transaction_timeout_ms,
             check_max=config.check_max,
             check_interval_ms=config.check_interval_ms,
@@ -98,7 +124,7 @@ class Rules:
     def same_rules(self, other: Rules) -> bool:
         """Whether both decide alike at the same clock (run identity aside)."""
         mine, theirs = asdict(self), asdict(other)
-        for key in ("run_id", "run_number", "now_ms"):
+        for key in ("run_id", "run_number", "now_ms", *_CARRIED):
             del mine[key], theirs[key]
         return mine == theirs
 
@@ -198,7 +224,22 @@ PLAIN_KEY_COLUMNS = (
     "queue_id",
     "commit_version",
     "store_ms",
+    "deliver_at_ms",
 )
+
+
+def _later(rules: Rules) -> str:
+    """SQL: a plain message is delayed past the run's watermark (to be
+    scheduled, not delivered). A `deliver_at_ms` at or before its store time
+    is no delay: the message is delivered as a plain one."""
+    return f"coalesce(deliver_at_ms > store_ms AND deliver_at_ms > {rules.watermark_ms}, false)"
+
+
+def split_plain(plain: DataFrame, rules: Rules) -> tuple[DataFrame, DataFrame]:
+    """(the plain messages (keys or rows) this run delivers, those it
+    schedules: due after its watermark)."""
+    later = _later(rules)
+    return plain.where(f"NOT {later}"), plain.where(later)
 
 
 def plain_keys(plain_half: DataFrame) -> DataFrame:
@@ -231,6 +272,49 @@ def plain_winners(plain: DataFrame) -> DataFrame:
         "commit_version",
         F.col("store_ms").alias("op_store_ms"),
         F.lit(False).alias("discarded"),
+        # a delayed message already due: placed by its due time
+        F.when(F.col("deliver_at_ms") > F.col("store_ms"), F.col("deliver_at_ms"))
+        .otherwise(F.lit(None))
+        .cast("bigint")
+        .alias("due_ms"),
+    )
+
+
+def scheduled_rows(plain_half: DataFrame, rules: Rules) -> DataFrame:
+    """SCHEDULED rows of the plain half rows (whole, with `commit_version`)
+    this run schedules (`split_plain`)."""
+    _, later = split_plain(plain_half, rules)
+    rows = (
+        later.withColumn("due_ms", F.col("deliver_at_ms"))
+        .withColumn("commit_ms", F.col("store_ms"))
+        .withColumn("run_number", F.lit(rules.run_number))
+    )
+    return conform(rows, SCHEDULED)
+
+
+def due_scheduled(scheduled: DataFrame, rules: Rules) -> DataFrame:
+    """The rows of the scheduled set (`_sys/scheduled` as the run's intent
+    pinned it) due in (prev_watermark_ms, watermark_ms]: this run's to
+    deliver. A filter on due_ms alone: Delta skips every file whose
+    statistics put it outside."""
+    return scheduled.where(
+        (F.col("due_ms") > F.lit(rules.prev_watermark_ms))
+        & (F.col("due_ms") <= F.lit(rules.watermark_ms))
+    )
+
+
+def scheduled_winners(due: DataFrame) -> DataFrame:
+    """Due scheduled messages (`due_scheduled`) as `plain_winners` rows:
+    committed at `commit_ms`, placed by `due_ms`."""
+    return due.select(
+        *_IDENTITY,
+        F.lit(Action.COMMIT.value).alias("action"),
+        F.lit(MessageType.NORMAL.value).alias("source"),
+        F.col("half_offset").alias("op_offset"),
+        "commit_version",
+        F.col("commit_ms").alias("op_store_ms"),
+        F.lit(False).alias("discarded"),
+        "due_ms",
     )
 
 
@@ -441,6 +525,7 @@ def winners(classified: DataFrame) -> DataFrame:
         "commit_version",
         F.col("store_ms").alias("op_store_ms"),
         "discarded",
+        F.lit(None).cast("bigint").alias("due_ms"),  # placed by commit time
     )
 
 
@@ -462,9 +547,9 @@ def queue_positions(won: DataFrame, queues: DataFrame, *, plain: bool = False) -
     base = queues.select("topic", "queue_id", "next_queue_offset")
     order = Window.partitionBy("topic", "queue_id").orderBy(*_merge_order(plain))
     # only what the ordering and the fate need: every row goes through a sort
-    rows = won.where(F.col("action") == Action.COMMIT).select(
-        "half_offset", "topic", "queue_id", "commit_version", "op_offset", "op_store_ms", "source"
-    )
+    wanted = ["half_offset", "topic", "queue_id", "commit_version", "op_offset", "op_store_ms"]
+    wanted += ["source"] + (["due_ms"] if "due_ms" in won.columns else [])
+    rows = won.where(F.col("action") == Action.COMMIT).select(*wanted)
     return (
         _with_merge_key(rows, plain)
         .join(base, ["topic", "queue_id"], "left")
@@ -481,28 +566,42 @@ def queue_positions(won: DataFrame, queues: DataFrame, *, plain: bool = False) -
 
 
 def _with_merge_key(rows: DataFrame, plain: bool) -> DataFrame:
-    """`rows` (winning COMMITs) with `_plain` and `_at`, the merge key of
-    `queue_positions`: the running maximum of (commit_ms, offset) along its
-    kind's commit order in its queue. Non-decreasing along each kind's
-    order, so sorting by it keeps that order and interleaves the kinds by
-    time. Without plain messages: `rows` as they are."""
+    """`rows` (winning COMMITs) with `_plain`, `_order` and `_at`, the merge
+    key of `queue_positions`: the running maximum of (time, offset) along
+    its kind's order in its queue. Non-decreasing along each kind's order,
+    so sorting by it keeps that order and interleaves the kinds by time.
+
+    Three kinds: COMMIT OPs (`_plain` 0) and plain messages (1), each in
+    commit order (table version, offset) at their commit time, and delayed
+    messages now due (2, a `due_ms`), in the order of their due time (then
+    offset), at it: a delayed message goes after every message due before
+    it. Without plain messages: `rows` as they are."""
     if not plain:
         return rows
-    kind = F.col("source") == MessageType.NORMAL
+    due = F.col("due_ms") if "due_ms" in rows.columns else F.lit(None).cast("bigint")
+    kind = (
+        F.when(due.isNotNull(), F.lit(2))
+        .when(F.col("source") == MessageType.NORMAL, F.lit(1))
+        .otherwise(F.lit(0))
+    )
     own = (
         Window.partitionBy("topic", "queue_id", "_plain")
-        .orderBy("commit_version", "op_offset")
+        .orderBy("_order", "op_offset")
         .rowsBetween(Window.unboundedPreceding, Window.currentRow)
     )
-    return rows.withColumn("_plain", kind).withColumn(
-        "_at", F.max(F.struct("op_store_ms", "op_offset")).over(own)
+    return (
+        rows.withColumn("_plain", kind)
+        .withColumn("_order", F.coalesce(due, F.col("commit_version")))
+        .withColumn(
+            "_at",
+            F.max(F.struct(F.coalesce(due, F.col("op_store_ms")), F.col("op_offset"))).over(own),
+        )
     )
 
 
 def _merge_order(plain: bool) -> tuple[str, ...]:
     """The sort of a queue's deliveries (`queue_positions`)."""
-    own = ("commit_version", "op_offset")
-    return ("_at", "_plain", *own) if plain else own
+    return ("_at", "_plain", "_order", "op_offset") if plain else ("commit_version", "op_offset")
 
 
 def queue_ends(won: DataFrame, queues: DataFrame) -> DataFrame:

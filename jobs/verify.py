@@ -64,6 +64,8 @@ DELIVERED, ROLLED_BACK, DISCARDED, PENDING_FATE, REJECTED_FATE = (
     "PENDING",
     "REJECTED",
 )
+#: a delayed plain message no committed run's watermark has reached yet
+SCHEDULED_FATE = "SCHEDULED"
 
 
 @dataclass
@@ -409,6 +411,17 @@ def _topic_differences(delivered_rows: DataFrame, expected: DataFrame) -> list[D
                 )
             ],
         ),
+        _differences(
+            t,
+            _check(
+                both & (F.col("f_delivered_ms") < F.col("w_due")),
+                "delivered_early",
+                found_in,
+                F.concat(F.lit("at or after "), F.col("w_due").cast("string")),
+                F.col("f_delivered_ms").cast("string"),
+                transaction_id="f_transaction_id",
+            ),
+        ),
         _duplicates(delivered_rows, "duplicate_delivery", "topics"),
         _diff(
             dense.where(F.col("queue_offset") != F.col("_rank")),
@@ -706,6 +719,7 @@ def _expected(
         .withColumn(
             "fate",
             F.when(F.col("bad_half"), F.lit(REJECTED_FATE))
+            .when(F.coalesce(F.col("w_scheduled"), F.lit(False)), F.lit(SCHEDULED_FATE))
             .when(F.col("w_action") == Action.COMMIT, F.lit(DELIVERED))
             .when(F.col("w_action") == Action.ROLLBACK, F.lit(ROLLED_BACK))
             .when(F.col("n_discards") > 0, F.lit(DISCARDED))
@@ -719,20 +733,25 @@ def _expected(
     # (COMMIT OPs, plain messages) keeps its commit order, and the two are
     # merged by the latest (commit time, offset) of the kind so far
     # (docs/protocol.md §4.3). With one kind, that is its commit order.
+    # A delayed message (`w_due`) is a third kind, in the order of its due
+    # time, placed at it.
     own = (
-        Window.partitionBy(*queue, "w_run", "w_plain")
-        .orderBy("w_cv", "undated_at", "w_op_offset")
+        Window.partitionBy(*queue, "w_run", "w_kind")
+        .orderBy("_order", "undated_at", "w_op_offset")
         .rowsBetween(Window.unboundedPreceding, Window.currentRow)
     )
     qorder = Window.partitionBy(*queue).orderBy(
-        "w_run", "_at", "w_plain", "w_cv", "undated_at", "w_op_offset"
+        "w_run", "_at", "w_kind", "_order", "undated_at", "w_op_offset"
     )
     return (
         fate.join(found_at, "half_offset", "left")
         .withColumn("undated_at", F.when(~F.col("w_dated"), F.col("found_at")))
-        .withColumn("_at", F.max(F.struct("w_store_ms", "w_op_offset")).over(own))
+        .withColumn("_order", F.coalesce("w_due", "w_cv"))
+        .withColumn(
+            "_at", F.max(F.struct(F.coalesce("w_due", "w_store_ms"), "w_op_offset")).over(own)
+        )
         .withColumn("exp_queue_offset", F.when(delivered, F.row_number().over(qorder) - 1))
-        .drop("found_at", "undated_at", "_at")
+        .drop("found_at", "undated_at", "_at", "_order")
         .repartition("half_offset")
     )
 
@@ -851,9 +870,12 @@ def _runs_frame(spark: SparkSession, committed: list[dict]) -> DataFrame:
     """Each committed run with the intervals of OP versions (op_lo, op_hi]
     and half versions (half_lo, run_half_version] it read, to date OPs,
     plain messages and discards, and the rules it ran with."""
-    rows, prev_op, prev_half = [], -1, -1
+    rows, prev_op, prev_half, watermark = [], -1, -1, -1
     for r in committed:
         rules = _rules(r)
+        # the latest clock so far (docs/protocol.md §4, "Delayed messages"),
+        # recomputed from the runs' clocks, not taken from the job's record
+        watermark = max(watermark, int(r["now_ms"]))
         rows.append(
             (
                 r["run_id"],
@@ -866,6 +888,7 @@ def _runs_frame(spark: SparkSession, committed: list[dict]) -> DataFrame:
                 rules.get("reserved_ms"),
                 rules.get("check_max"),
                 rules.get("check_budget"),
+                watermark,
             )
         )
         prev_op, prev_half = int(r["op_version"]), int(r["half_version"])
@@ -874,7 +897,7 @@ def _runs_frame(spark: SparkSession, committed: list[dict]) -> DataFrame:
         "run_id string, run_number bigint, op_lo bigint, "
         "op_hi bigint, half_lo bigint, run_half_version bigint, "
         "run_now_ms bigint, reserved_ms bigint, "
-        "check_max bigint, check_budget string",
+        "check_max bigint, check_budget string, run_watermark bigint",
     )
 
 
@@ -930,6 +953,14 @@ def _halves(half: DataFrame) -> DataFrame:
             | ~known_type,
         )
         .withColumn("plain", F.coalesce(F.col("message_type") == MessageType.NORMAL, F.lit(False)))
+        # a delayed plain message's due time (null: not delayed)
+        .withColumn(
+            "due",
+            F.when(
+                F.col("plain") & (F.col("deliver_at_ms") > F.col("store_ms")),
+                F.col("deliver_at_ms"),
+            ),
+        )
         .withColumnRenamed("cv", "half_cv")
     )
 
@@ -1032,6 +1063,9 @@ def _winners(ops: DataFrame, resolved: DataFrame) -> DataFrame:
             F.col("dated").alias("w_dated"),
             F.col("run_number").alias("w_run"),
             F.lit(False).alias("w_plain"),
+            F.lit(0).alias("w_kind"),
+            F.lit(None).cast("bigint").alias("w_due"),
+            F.lit(False).alias("w_scheduled"),
             F.col("store_ms").alias("w_store_ms"),
             F.col("d_op_version").isNotNull().alias("w_after_discard"),
             (F.col("d_op_version").isNotNull() & (F.col("cv") <= F.col("d_op_version"))).alias(
@@ -1065,11 +1099,14 @@ def _with_plain(
             F.col("dated").alias("w_dated"),
             F.col("run_number").alias("w_run"),
             F.lit(True).alias("w_plain"),
+            F.when(F.col("due").isNotNull(), 2).otherwise(1).alias("w_kind"),
+            F.col("due").alias("w_due"),
             F.col("store_ms").alias("w_store_ms"),
             F.lit(False).alias("w_after_discard"),
             F.lit(False).alias("w_before_discard"),
         )
     )
+    plain = _when_due(plain, runs)
     winners = op_winners.join(plain.select("half_offset"), "half_offset", "left_anti").unionByName(
         plain
     )
@@ -1083,6 +1120,30 @@ def _with_plain(
         winners.join(job_run, "half_offset", "left")
         .withColumn("w_run", F.when(F.col("w_dated"), F.col("w_run")).otherwise(F.col("job_run")))
         .drop("job_run")
+    )
+
+
+def _when_due(plain: DataFrame, runs: DataFrame) -> DataFrame:
+    """Plain winners (`_with_plain`) with the run that must deliver each
+    delayed one: the first committed run, from the one that read it on,
+    whose watermark reaches its due time (`w_run`); none yet: `w_scheduled`."""
+    delayed = plain.where(F.col("w_due").isNotNull())
+    runs_w = F.broadcast(runs.select("run_number", "run_watermark"))
+    first = (
+        delayed.join(
+            runs_w,
+            (F.col("run_number") >= F.col("w_run")) & (F.col("run_watermark") >= F.col("w_due")),
+        )
+        .groupBy("half_offset")
+        .agg(F.min("run_number").alias("due_run"))
+    )
+    return (
+        plain.join(first, "half_offset", "left")
+        .withColumn("w_scheduled", F.col("w_due").isNotNull() & F.col("due_run").isNull())
+        .withColumn(
+            "w_run", F.when(F.col("w_due").isNotNull(), F.col("due_run")).otherwise(F.col("w_run"))
+        )
+        .drop("due_run")
     )
 
 
@@ -1120,6 +1181,7 @@ def _counts(
         "rolled_back": fates.get(ROLLED_BACK, 0),
         "discarded": fates.get(DISCARDED, 0),
         "pending": fates.get(PENDING_FATE, 0),
+        "scheduled": fates.get(SCHEDULED_FATE, 0),
         "rejected": fates.get(REJECTED_FATE, 0),
         "ops_judged": op_stats["ops_judged"],
         "invalid_ops": op_stats["invalid_ops"] or 0,

@@ -95,7 +95,10 @@ HALF = TableSchema(
     + _cols(
         # NORMAL (a plain message: committed by its store) or TRANSACTION;
         # null: TRANSACTION (txn_core.vocabulary.MessageType)
-        ("message_type", "string")
+        ("message_type", "string"),
+        # when a delayed message is due (epoch ms, the broker core's clock, as
+        # store_ms): store_ms + its delay, or its deliver_at_ms; null: at once
+        ("deliver_at_ms", "bigint"),
     ),
     writer="broker",
 )
@@ -266,6 +269,23 @@ RESOLVED = TableSchema(
     ),
 )
 
+# Committed messages not due yet (docs/protocol.md §4, "Delayed messages"):
+# appended by the run that reads the commit, each run's rows sorted by
+# due_ms into files of narrow ranges, so a run reading what falls due in
+# (its previous watermark, its own] skips every other file by its statistics
+# (due_ms first: the only column with statistics). Never rewritten by a run.
+SCHEDULED = TableSchema(
+    "_sys/scheduled",
+    _cols(
+        ("due_ms", "bigint", False),
+        ("commit_ms", "bigint", False),
+        # the version of the table that committed it (`_sys/half` for a plain message)
+        ("commit_version", "bigint", False),
+    )
+    + _STORED
+    + _cols(("run_number", "bigint", False)),
+)
+
 QUEUES = TableSchema(
     "_sys/queues",
     _cols(
@@ -364,6 +384,7 @@ ALL_TABLES = (
     RUNS,
     PENDING,
     RESOLVED,
+    SCHEDULED,
     QUEUES,
     REJECTED,
     LEASE,

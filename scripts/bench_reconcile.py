@@ -90,6 +90,7 @@ def half_batch(start: int, n: int, body_bytes: int, store_ms: int) -> pa.Table:
         "store_ms": pa.array([store_ms] * n, pa.int64()),
         "check_immunity_s": pa.nulls(n, pa.int32()),
         "message_type": pa.nulls(n, pa.string()),  # transactional
+        "deliver_at_ms": pa.nulls(n, pa.int64()),  # not delayed
     }
     return pa.table(cols, schema=arrow_schema(HALF))
 

@@ -24,9 +24,9 @@ from schemas import HALF, OP, TableSchema, table_path
 from schemas.arrow import arrow_schema
 from txn_core.config import Config, absolute_warehouse
 from txn_core.errors import BrokerClosedError, PersistError
-from txn_core.group_commit import Columns, DirectWriter, GroupCommitWriter, WriterStats
+from txn_core.group_commit import AFTER_STAMP, Columns, DirectWriter, GroupCommitWriter, WriterStats
 from txn_core.log_trim import job_cursor
-from txn_core.message import Message, validate_group
+from txn_core.message import Message, delivery_times, validate_group
 from txn_core.offsets import OffsetAllocator, register_epoch
 from txn_core.storage import Storage, options_for, storage_for, use
 from txn_core.tables import ensure_broker_tables
@@ -152,6 +152,10 @@ class Broker:
 
         `message_type` NORMAL stores plain messages: committed by this
         store, never checked (their `check_immunity_s` is not kept).
+        A plain message's delay (`delay_level`, `delay_ms`, `deliver_at_ms`)
+        becomes its `deliver_at_ms` column (store_ms + delay for a relative
+        one); one beyond `max_delay_ms` raises MessageValidationError, with
+        nothing written.
         Returns only once the rows are durable (committed); raises PersistError
         when they are not. Columns are built straight from the inputs: this is
         the bulk path's hot loop.
@@ -159,6 +163,14 @@ class Broker:
         self._check_open()
         n = len(messages)
         plain = message_type == MessageType.NORMAL
+        # a plain message's delay (a transaction's delay level is cleared)
+        times = (
+            delivery_times(
+                messages, self.clock(), self.config.delay_level_ms, self.config.max_delay_ms
+            )
+            if plain
+            else None
+        )
         offsets = self._offsets.take(n)
         ids = new_message_ids(n)
         bodies = [m.body if type(m.body) is bytes else bytes(m.body) for m in messages]
@@ -176,6 +188,9 @@ class Broker:
             "born_ms": [self.clock()] * n,
             "check_immunity_s": [None] * n if plain else [m.check_immunity_s for m in messages],
             "message_type": [str(message_type)] * n,
+            "deliver_at_ms": [None] * n if times is None else times[0],
+            # store_ms + the delay, when the writer stamps store_ms
+            **({} if times is None else {"deliver_at_ms" + AFTER_STAMP: times[1]}),
         }
         self._half.submit(columns).result()
         return StoredMessages(messages, bodies, ids, offsets, group)
@@ -368,7 +383,7 @@ class StoredMessages(Sequence[Message]):
                 msg_id=self._ids[index],
                 half_offset=self.half_offsets[index],
                 producer_group=self._group,
-                delay_level=0,
+                delay_level=None,
             )  # RocketMQ clears delay levels of transactional messages
             self._copies[index] = copy
         return copy

@@ -9,6 +9,7 @@ value came from, and what is accepted.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
@@ -57,6 +58,45 @@ def absolute_warehouse(warehouse: str) -> str:
     return warehouse.rstrip("/")
 
 
+#: RocketMQ's default `messageDelayLevel`
+DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
+_UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+_DURATION_RE = re.compile(r"^([0-9]{1,9})(ms|s|m|h|d)$")
+
+
+def parse_delay_levels(text: str) -> tuple[int, ...]:
+    """RocketMQ's `messageDelayLevel` format: durations separated by spaces,
+    each a positive integer and a unit (ms, s, m, h, d), non-decreasing;
+    ValueError otherwise.
+
+    >>> parse_delay_levels("1s 5s 2m")
+    (1000, 5000, 120000)
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"must be a string, got {type(text).__name__}")
+    levels = []
+    for word in text.split():
+        match = _DURATION_RE.match(word)
+        if match is None or int(match.group(1)) == 0:
+            raise ValueError(f"{word!r} is not a positive duration such as 5s, 2m or 1h")
+        levels.append(int(match.group(1)) * _UNIT_MS[match.group(2)])
+    if not levels:
+        raise ValueError("no level is given")
+    if len(levels) > 1000:
+        raise ValueError(f"{len(levels)} levels; at most 1000 are allowed")
+    if any(b < a for a, b in zip(levels, levels[1:], strict=False)):
+        raise ValueError("the levels must not decrease")
+    return tuple(levels)
+
+
+def _valid_levels(text: str) -> bool:
+    try:
+        parse_delay_levels(text)
+    except ValueError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class Config:
     """Validated settings shared by the broker core and the job.
@@ -78,6 +118,13 @@ class Config:
     #: largest plain batch (`Producer.send_batch`) the broker core accepts: the
     #: sum of its messages' sizes (`txn_core.message.message_size`), RocketMQ's 4 MiB
     max_batch_bytes: int = 4 * 1024 * 1024
+    #: RocketMQ 4's delay levels (its `messageDelayLevel`): level n of
+    #: `Message(delay_level=n)` is the n-th duration; a level above the last
+    #: is the last (`delay_level_ms`)
+    delay_levels: str = DEFAULT_DELAY_LEVELS
+    #: the longest delay a message may ask for, by level, `delay_ms` or
+    #: `deliver_at_ms` (RocketMQ 5's timerMaxDelaySec: 3 days)
+    max_delay_ms: int = 3 * 24 * 3600 * 1000
     #: how long a job run's lease lasts without renewal (crashed runs free it after this)
     lease_ttl_s: int = 600
     #: an S3 warehouse's endpoint ("" = AWS's own), e.g. "http://127.0.0.1:9000" for MinIO
@@ -98,6 +145,15 @@ class Config:
                 f"s3_endpoint {self.s3_endpoint!r} is plain HTTP; set "
                 "s3_allow_http = true to allow it (a store on loopback)"
             )
+
+    @property
+    def delay_level_ms(self) -> tuple[int, ...]:
+        """`delay_levels` in milliseconds, level 1 first.
+
+        >>> Config(warehouse="/tmp/wh").delay_level_ms[:5]
+        (1000, 5000, 10000, 30000, 60000)
+        """
+        return parse_delay_levels(self.delay_levels)
 
     def __getitem__(self, key: str) -> Any:  # dict-style access for notebooks
         if key not in _SPECS:
@@ -137,6 +193,13 @@ _SPECS: dict[str, tuple[type, Callable[[Any], bool], str]] = {
         lambda v: 1 <= v <= 1024 * 1024 * 1024,
         "an integer from 1 to 1073741824 (bytes)",
     ),
+    "delay_levels": (
+        str,
+        _valid_levels,
+        "durations separated by spaces, each a positive integer and a unit "
+        '(ms, s, m, h, d), not decreasing, e.g. "1s 5s 10s 30s 1m"',
+    ),
+    "max_delay_ms": (int, lambda v: 1 <= v <= 2**40, "an integer from 1 to 2^40 (ms)"),
     "lease_ttl_s": (int, lambda v: 1 <= v <= 7 * 24 * 3600, "an integer from 1 to 604800 (s)"),
     "s3_endpoint": (
         str,
@@ -175,7 +238,15 @@ def _check(key: str, value: Any, origin: str) -> None:
             f"{key} from {origin} must be {accepted}; got {type(value).__name__} {value!r}"
         )
     if not ok(value):
-        raise ConfigError(f"{key} from {origin} is out of range: {value!r}; accepted: {accepted}")
+        why = ""
+        if key == "delay_levels":
+            try:
+                parse_delay_levels(str(value))
+            except ValueError as exc:
+                why = f" ({exc})"
+        raise ConfigError(
+            f"{key} from {origin} is out of range: {value!r}{why}; accepted: {accepted}"
+        )
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:

@@ -326,10 +326,14 @@ class GroupCommitWriter:
         if len(batch) == 1:
             return to_arrow(self._schema, batch[0][0], self._stamp, self._clock())
         names = [n for n in self._schema.names if n != self._stamp]
-        merged: dict[str, list[object]] = {n: [] for n in names}
+        after = [n + AFTER_STAMP for n in names if any(n + AFTER_STAMP in c for c, _ in batch)]
+        merged: dict[str, list[object]] = {n: [] for n in names + after}
         for columns, _ in batch:
+            size = len(columns[names[0]])
             for n in names:
                 merged[n].extend(columns[n])
+            for n in after:
+                merged[n].extend(columns.get(n) or [None] * size)
         return to_arrow(self._schema, merged, self._stamp, self._clock())
 
 
@@ -394,14 +398,31 @@ def plain_encoding(columns: tuple[str, ...]) -> WriterProperties | None:
     )
 
 
+#: a key of `Columns` named `<column>` + AFTER_STAMP holds durations: where
+#: one is not None, `<column>` is the stamp plus it (a time relative to the
+#: durable-write time, e.g. a timer's `deliver_at_ms` = store_ms + delay_ms)
+AFTER_STAMP = "+after_stamp"
+
+
 def to_arrow(schema: pa.Schema, columns: Columns, stamp_column: str | None, stamp: int) -> pa.Table:
     """Arrow columns built directly from Python lists (no per-row dicts);
-    `stamp_column` gets `stamp`, the durable-write time, in every row."""
+    `stamp_column` gets `stamp`, the durable-write time, in every row, and a
+    column with durations under `AFTER_STAMP` the stamp plus them."""
     size = len(next(iter(columns.values())))
+
+    def values(name: str) -> Sequence[object]:
+        after = columns.get(name + AFTER_STAMP)
+        if after is None:
+            return columns[name]
+        return [
+            v if d is None else stamp + int(d)  # type: ignore[call-overload]
+            for v, d in zip(columns[name], after, strict=True)
+        ]
+
     arrays = [
         pa.array([stamp] * size, type=f.type)
         if f.name == stamp_column
-        else pa.array(columns[f.name], type=f.type)
+        else pa.array(values(f.name), type=f.type)
         for f in schema
     ]
     return pa.Table.from_arrays(arrays, schema=schema)

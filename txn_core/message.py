@@ -58,9 +58,18 @@ class Message:
     #: the first back-check's delay; a plain message is never checked and
     #: ignores it
     check_immunity_s: int | None = None
-    #: RocketMQ delay level; transactions ignore it (a single send clears it,
-    #: a batch refuses it), a plain send refuses it (not supported yet).
-    delay_level: int = 0
+    #: RocketMQ 4's delay level, 1 and up (`delay_levels`; above the last:
+    #: the last); at most one of delay_level, delay_ms and deliver_at_ms.
+    #: A plain send delays the message; a transaction clears it (as
+    #: RocketMQ); a batch refuses it.
+    delay_level: int | None = None
+    #: RocketMQ 5's timer, relative: deliver this many ms after the store
+    #: time (plain sends only; at most `max_delay_ms`)
+    delay_ms: int | None = None
+    #: RocketMQ 5's timer, absolute: deliver at this epoch ms of the broker
+    #: core's clock (plain sends only; at most `max_delay_ms` ahead; in the
+    #: past: delivered at once)
+    deliver_at_ms: int | None = None
     transaction_id: str | None = None
     msg_id: str | None = None
     half_offset: int | None = None
@@ -145,13 +154,69 @@ def _validate_fields(msg: Message, max_body_bytes: int, in_batch: bool) -> int:
         _int_field(msg.queue_id, "queue_id", 0, 2**31 - 1)
     if msg.check_immunity_s is not None:
         _int_field(msg.check_immunity_s, "check_immunity_s", -(2**31), 2**31 - 1)
-    if msg.delay_level:
-        _int_field(msg.delay_level, "delay_level", 0, 2**31 - 1)
-        if in_batch:
-            raise MessageValidationError("delay_level", "a batch must not carry a delay level")
+    if msg.delay_level is not None or msg.delay_ms is not None or msg.deliver_at_ms is not None:
+        _validate_delay(msg, in_batch)
     if msg.properties:
         _validate_properties(msg.properties)
     return size
+
+
+#: the fields that delay a message, at most one per message
+DELAY_FIELDS = ("delay_level", "delay_ms", "deliver_at_ms")
+
+
+def _validate_delay(msg: Message, in_batch: bool) -> None:
+    """The delay fields' own rules (the limit `max_delay_ms` needs the
+    configuration and the clock: `delivery_times`)."""
+    given = [name for name in DELAY_FIELDS if getattr(msg, name) is not None]
+    if in_batch:
+        raise MessageValidationError(given[0], "a batch must not carry a delay")
+    if len(given) > 1:
+        raise MessageValidationError(
+            given[1], f"at most one of {', '.join(DELAY_FIELDS)} may be set; got {given}"
+        )
+    name = given[0]
+    value = getattr(msg, name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise MessageValidationError(name, f"must be an integer, got {type(value).__name__}")
+    if name == "delay_level" and value < 1:
+        raise MessageValidationError(
+            name, f"{value} is not a delay level; levels start at 1 (None: no delay)"
+        )
+    if value < 0:
+        raise MessageValidationError(name, f"{value} is negative")
+
+
+def delivery_times(
+    messages: Sequence[Message], now_ms: int, levels_ms: Sequence[int], max_delay_ms: int
+) -> tuple[list[int | None], list[int | None]] | None:
+    """(absolute deliver_at_ms, relative delay in ms) per message, each None
+    when not given; None when no message is delayed. A delay level becomes
+    its duration (`levels_ms`, the last for a level above it). A delay
+    beyond `max_delay_ms` (a `deliver_at_ms` more than that after `now_ms`)
+    raises MessageValidationError naming the field."""
+    absolute: list[int | None] = []
+    relative: list[int | None] = []
+    delayed = False
+    for msg in messages:
+        at, delay = msg.deliver_at_ms, msg.delay_ms
+        if msg.delay_level is not None:
+            delay = levels_ms[min(msg.delay_level, len(levels_ms)) - 1]
+        if delay is not None and delay > max_delay_ms:
+            name = "delay_level" if msg.delay_level is not None else "delay_ms"
+            raise MessageValidationError(
+                name, f"delays {delay} ms; the limit is max_delay_ms = {max_delay_ms}"
+            )
+        if at is not None and at - now_ms > max_delay_ms:
+            raise MessageValidationError(
+                "deliver_at_ms",
+                f"{at} is {at - now_ms} ms ahead of the broker's clock ({now_ms}); "
+                f"the limit is max_delay_ms = {max_delay_ms}",
+            )
+        delayed = delayed or at is not None or delay is not None
+        absolute.append(at)
+        relative.append(delay)
+    return (absolute, relative) if delayed else None
 
 
 def message_size(msg: Message, body_size: int) -> int:
@@ -243,13 +308,23 @@ def validate_batch(
 
 def validate_plain(msg: object, max_body_bytes: int) -> Message:
     """A single plain message (`Producer.send`): every field as
-    `validate_message`, and no delay level (delayed delivery is not
-    supported yet: refused rather than delivered early)."""
+    `validate_message`; its delay, if any, is checked against the limit
+    when stored (`delivery_times`)."""
+    return validate_message(msg, max_body_bytes)
+
+
+def validate_transactional(msg: object, max_body_bytes: int) -> Message:
+    """A single transactional message: as `validate_message`; a delay level
+    is cleared when stored (as RocketMQ), a timer (`delay_ms`,
+    `deliver_at_ms`) refused: delayed transactional messages are not
+    delivered at their time yet, and a timer silently dropped would
+    deliver early."""
     message = validate_message(msg, max_body_bytes)
-    if message.delay_level:
-        raise MessageValidationError(
-            "delay_level", "delayed messages are not supported yet; send without a delay level"
-        )
+    for name in ("delay_ms", "deliver_at_ms"):
+        if getattr(message, name) is not None:
+            raise MessageValidationError(
+                name, "a transactional message cannot carry a timer yet; send it plain"
+            )
     return message
 
 

@@ -21,8 +21,8 @@ from txn_core.message import (
     SendResult,
     validate_batch,
     validate_group,
-    validate_message,
     validate_plain,
+    validate_transactional,
 )
 from txn_core.vocabulary import MessageType
 
@@ -69,9 +69,12 @@ class Producer:
     def send(self, msg: Message) -> SendReceipt:
         """Store one plain message; returns once it is durable.
 
-        Raises MessageValidationError (nothing written) for a bad message or
-        a delay level (not supported yet), PersistError when it could not be
-        stored.
+        A delay (`delay_level`, `delay_ms` or `deliver_at_ms`, at most one)
+        makes the job deliver it at store time + delay, or at `deliver_at_ms`
+        (at once when that is past): docs/protocol.md §3.1, "Delayed
+        messages". Raises MessageValidationError (nothing written) for a bad
+        message or a delay beyond `max_delay_ms`, PersistError when it could
+        not be stored.
         """
         validate_plain(msg, self.broker.config.max_body_bytes)
         stored = self.broker.store_halves(self.group, [msg], MessageType.NORMAL)
@@ -143,7 +146,7 @@ class TransactionProducer(Producer):
         could not be stored (the local transaction is then not run).
         """
         listener = self._require_listener()
-        validate_message(msg, self.broker.config.max_body_bytes)
+        validate_transactional(msg, self.broker.config.max_body_bytes)
         stored = self.broker.store_halves(self.group, [msg])
         state, error = _execute(listener, stored[0], arg)
         result = SendResult(

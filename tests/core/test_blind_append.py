@@ -41,6 +41,7 @@ def half_rows(offsets: list[int]) -> pa.Table:
             "born_ms": [1_000 + o for o in offsets],
             "check_immunity_s": [None] * n,
             "message_type": [None if o % 2 else "NORMAL" for o in offsets],
+            "deliver_at_ms": [None if o % 2 else STORE_MS + o for o in offsets],
         },
         "store_ms",
         STORE_MS,
