@@ -216,7 +216,7 @@ def measure(rate: float, args, cron: bool = False) -> dict:
     else:
         cpu = _job_cpu_s(job.pid) - cpu_start
         job.send_signal(signal.SIGTERM)
-        job.wait(timeout=120)
+        job.wait(timeout=900)  # SIGTERM lets the run under way finish
     # Catch up with single runs (checks need a run to ask and one to read
     # the answer), so that exactly-once is judged on everything sent.
     for _ in range(4):
