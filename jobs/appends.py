@@ -192,8 +192,8 @@ def plain_table(table) -> bool:
 #: appended files read by the driver (pyarrow) rather than by Spark's tasks,
 #: when there are more than this many and they are small in all
 #: (`DRIVER_READ_MAX_BYTES`): producers sending one message at a time commit
-#: a file per message, and Spark opens each file in turn (~5 ms apiece on 2
-#: cores) and lists them before the read
+#: a file per message, and Spark lists them and opens each in turn, where
+#: one pyarrow scan reads them all (docs/performance.md)
 DRIVER_READ_MIN_FILES = 64
 DRIVER_READ_MAX_BYTES = 64 * 1024 * 1024
 

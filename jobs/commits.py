@@ -227,20 +227,32 @@ def commit(table, adds: list, mode: str, user_metadata: str) -> int:
     """Commit staged `adds` to the table (`mode`: append, or overwrite: they
     replace every file), with `user_metadata` in its commitInfo; the version."""
     _check_mode(mode)
+    table.create_write_transaction(
+        adds, mode=mode, schema=table.schema(), **commit_options(user_metadata)
+    )
+    return after_commit(table)
+
+
+def commit_options(user_metadata: str) -> dict:
+    """The keywords of a job's delta-rs commit: `user_metadata` in its
+    commitInfo, and no checkpoint or log clean-up of delta-rs' own
+    (`after_commit` does them as Delta does)."""
     from deltalake import CommitProperties
     from deltalake.transaction import PostCommitHookProperties
 
-    table.create_write_transaction(
-        adds,
-        mode=mode,
-        schema=table.schema(),
-        commit_properties=CommitProperties(custom_metadata={"userMetadata": user_metadata}),
-        post_commithook_properties=PostCommitHookProperties(
+    return {
+        "commit_properties": CommitProperties(custom_metadata={"userMetadata": user_metadata}),
+        "post_commithook_properties": PostCommitHookProperties(
             create_checkpoint=False, cleanup_expired_logs=False
         ),
-    )
+    }
+
+
+def after_commit(table) -> int:
+    """The version the job's commit to `table` made, checkpointed as Delta's
+    writer would (`checkpoint_as_delta_does`)."""
     table.update_incremental()
-    version = table.version()
+    version: int = table.version()
     checkpoint_as_delta_does(table, version, table.metadata().configuration)
     return version
 

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import DataFrame
 
-from jobs.commits import checkpoint_as_delta_does
+from jobs.commits import after_commit, commit_options
 
 #: rows of a table without message bodies (each ~100-200 bytes) one write
 #: may collect
@@ -54,26 +54,16 @@ def write(rows: pa.Table, table, mode: str, user_metadata: str) -> int:
     A null in a NOT NULL column raises, naming the column, and nothing is
     committed (as Delta's writer does).
     """
-    from deltalake import CommitProperties, write_deltalake
-    from deltalake.transaction import PostCommitHookProperties
+    from deltalake import write_deltalake
 
     if mode not in ("append", "overwrite"):
         raise ValueError(f"mode must be 'append' or 'overwrite'; got {mode!r}")
     schema = pa.schema(table.schema().to_arrow())
     _check_not_null(rows, schema, table.table_uri)
     write_deltalake(
-        table,
-        rows.select(schema.names).cast(schema),
-        mode=mode,
-        commit_properties=CommitProperties(custom_metadata={"userMetadata": user_metadata}),
-        post_commithook_properties=PostCommitHookProperties(
-            create_checkpoint=False, cleanup_expired_logs=False
-        ),
+        table, rows.select(schema.names).cast(schema), mode=mode, **commit_options(user_metadata)
     )
-    table.update_incremental()
-    version = table.version()
-    checkpoint_as_delta_does(table, version, table.metadata().configuration)
-    return version
+    return after_commit(table)
 
 
 def split(rows: pa.Table, column: str, values: Iterable[str]) -> dict[str, pa.Table]:
