@@ -5,10 +5,11 @@ the job; a clock tests move by hand."""
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterable
 
 import pyarrow as pa
-from deltalake import write_deltalake
+from deltalake import DeltaTable, write_deltalake
 
 from schemas import CHECK_ANSWERS, HALF, OP, TOPIC, table_path, topic_path
 from schemas.arrow import arrow_schema
@@ -186,3 +187,34 @@ def deliver(warehouse: str, topic: str = "ORDER", **offsets_by_queue: range) -> 
         mode="append",
         storage_options=options_for(path),
     )
+
+
+#: producer-side and lease tables are not outputs of the job
+NOT_OUTPUTS = {"_sys/half", "_sys/op", "_sys/check_answers", "_sys/producers", "_sys/lease"}
+#: wall-clock columns: the only ones allowed to differ between a redo and a clean run
+WALL_CLOCK = {"started_ms", "ended_ms", "summary_json", "duration_ms"}
+
+
+def job_outputs(warehouse: str) -> dict[str, list]:
+    """Every output table of the job on a local `warehouse` (wall-clock
+    columns removed), order-independent: a redo must leave them as a clean
+    run does."""
+    tables = {}
+    for root, dirs, _ in os.walk(warehouse):
+        if "_delta_log" not in dirs:
+            continue
+        dirs.clear()
+        name = os.path.relpath(root, warehouse)
+        if name in NOT_OUTPUTS:
+            continue
+        rows = DeltaTable(root).to_pyarrow_table().to_pylist()
+        tables[name] = sorted(
+            repr(sorted((k, _unordered(v)) for k, v in r.items() if k not in WALL_CLOCK))
+            for r in rows
+        )
+    return tables
+
+
+def _unordered(value):
+    """Maps compare as sets of entries: Delta does not promise their order."""
+    return sorted(value) if isinstance(value, list) else value

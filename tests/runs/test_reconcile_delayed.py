@@ -5,7 +5,6 @@ after every message due earlier; idle runs stay idle until the first is due."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import pyarrow.compute as pc
@@ -124,32 +123,6 @@ def test_delayed_messages_wait_for_their_time_and_come_in_due_order(spark, wareh
     assert verify(spark, cfg).differences_by_kind == {"delivered_early": 1}
 
 
-def _outputs(warehouse: str) -> dict[str, list]:
-    """The job's tables (wall-clock columns left out), order-independent."""
-    skip = {"_sys/half", "_sys/op", "_sys/check_answers", "_sys/producers", "_sys/lease"}
-    wall = {"started_ms", "ended_ms", "summary_json", "duration_ms"}
-    tables = {}
-    for root, dirs, _ in os.walk(warehouse):
-        if "_delta_log" not in dirs:
-            continue
-        dirs.clear()
-        name = os.path.relpath(root, warehouse)
-        if name in skip:
-            continue
-        rows = DeltaTable(root).to_pyarrow_table().to_pylist()
-        tables[name] = sorted(
-            repr(
-                sorted(
-                    (k, sorted(v) if isinstance(v, list) else v)
-                    for k, v in r.items()
-                    if k not in wall
-                )
-            )
-            for r in rows
-        )
-    return tables
-
-
 def _two_runs(spark, warehouse: str, crash: dict[int, str], monkeypatch) -> None:
     """Run 1 schedules two timers, run 2 delivers one; `crash`: run number ->
     the step at which that run dies (then recovered, as the next invocation would)."""
@@ -181,9 +154,9 @@ def test_a_run_killed_at_a_scheduling_or_delivering_step_redoes_to_the_same_tabl
 ):
     clean = str(tmp_path / "clean")
     _two_runs(spark, clean, {}, monkeypatch)
-    expected = _outputs(clean)
+    expected = fx.job_outputs(clean)
     assert [b for b, _, _ in _queue(clean)] == [b"body-1", b"body-4", b"body-2", b"body-5"]
     for crash in ({1: "after:_sys/scheduled"}, {2: "after:topics/ORDER"}):
         wh = str(tmp_path / crash[min(crash)].replace("/", "_").replace(":", "_"))
         _two_runs(spark, wh, crash, monkeypatch)
-        assert _outputs(wh) == expected, crash
+        assert fx.job_outputs(wh) == expected, crash

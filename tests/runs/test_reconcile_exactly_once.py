@@ -22,10 +22,6 @@ import factories as fx
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 T = 500 * 3_600_000
-#: producer-side and lease tables are not outputs of the job
-NOT_OUTPUTS = {"_sys/half", "_sys/op", "_sys/check_answers", "_sys/producers", "_sys/lease"}
-#: wall-clock columns: the only ones allowed to differ between a redo and a clean run
-WALL_CLOCK = {"started_ms", "ended_ms", "summary_json", "duration_ms"}
 STEPS = [
     "after_lease",
     "after_intent",
@@ -39,28 +35,6 @@ STEPS = [
     "after:_sys/pending",
     "after_commit",
 ]
-
-
-def outputs(warehouse: str) -> dict[str, list]:
-    """Every output table's rows (wall-clock columns removed), order-independent."""
-    tables = {}
-    for root, dirs, _ in os.walk(warehouse):
-        if "_delta_log" not in dirs:
-            continue
-        dirs.clear()
-        name = os.path.relpath(root, warehouse)
-        if name in NOT_OUTPUTS:
-            continue
-        rows = DeltaTable(root).to_pyarrow_table().to_pylist()
-        tables[name] = sorted(
-            repr(sorted((k, _plain(v)) for k, v in r.items() if k not in WALL_CLOCK)) for r in rows
-        )
-    return tables
-
-
-def _plain(value):
-    """Maps compare as sets of entries: Delta does not promise their order."""
-    return sorted(value) if isinstance(value, list) else value
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +74,7 @@ def baseline(spark, base, tmp_path_factory):
     # the output writes run concurrently: their steps come in any order
     assert faults.SEEN[:2] == STEPS[:2] and faults.SEEN[-1] == STEPS[-1]
     assert sorted(faults.SEEN) == sorted(STEPS), "the scenario must reach every write step"
-    return outputs(wh), summary
+    return fx.job_outputs(wh), summary
 
 
 def _copy(base: str, tmp_path) -> str:
@@ -149,7 +123,7 @@ def test_kill_at_step_then_rerun_gives_the_uninterrupted_tables(
         assert {k: v for k, v in redone.to_dict().items() if k not in drop} == {
             k: v for k, v in clean_summary.to_dict().items() if k not in drop
         }
-    assert outputs(wh) == clean_tables
+    assert fx.job_outputs(wh) == clean_tables
 
 
 @pytest.mark.slow
@@ -175,7 +149,7 @@ def test_process_killed_mid_run_is_redone_by_the_next_process(base, baseline, tm
     summary = json.loads(rerun.stdout.strip().splitlines()[-1])
     assert summary["redone_run_id"] == clean_summary.run_id
     assert summary["run_number"] == 2 and summary["half_read"] == 0
-    tables = outputs(wh)
+    tables = fx.job_outputs(wh)
     tables["_sys/runs"] = [r for r in tables["_sys/runs"] if "('run_number', 2)" not in r]
     assert tables == clean_tables
 
