@@ -21,7 +21,7 @@ from txn_core import (
     CorruptOffsetError,
     PushConsumer,
 )
-from txn_core.consumer_group import retry_delay_s
+from txn_core.consumer_group import read_committed_offsets, retry_delay_s
 
 from factories import Clock, deliver
 
@@ -184,23 +184,37 @@ def test_bad_poll_and_seek_arguments_are_refused(warehouse):
         Consumer(warehouse, GROUP, "bad/topic")
 
 
-@pytest.mark.parametrize("next_offset", [None, -3])
-def test_a_corrupt_offsets_row_names_group_topic_and_queue(warehouse, next_offset):
+@pytest.mark.parametrize(
+    "corruption, problem",
+    [
+        ({"next_offset": None}, r"queue 3 is corrupt \(next_offset is None\)"),
+        ({"next_offset": -3}, r"queue 3 is corrupt \(next_offset is -3\)"),
+        ({"queue_id": None}, r"queue None is corrupt \(queue_id is None\)"),
+        ({"queue_id": -1}, r"queue -1 is corrupt \(queue_id is -1\)"),
+        ({"committed_ms": None}, r"queue 3 is corrupt \(committed_ms is None\)"),
+    ],
+)
+def test_a_corrupt_offsets_row_names_group_topic_and_queue(warehouse, corruption, problem):
     # written with a schema that lets a null in, as a foreign writer might
     schema = pa.schema([f.with_nullable(True) for f in arrow_schema(CONSUMER_OFFSETS)])
     row = {
         "group": GROUP,
         "topic": "ORDER",
         "queue_id": 3,
-        "next_offset": next_offset,
+        "next_offset": 2,
         "member": "m",
         "committed_ms": 1,
+        **corruption,
     }
     path = table_path(warehouse, CONSUMER_OFFSETS)
     write_deltalake(path, pa.Table.from_pylist([row], schema=schema), mode="append")
 
-    with pytest.raises(CorruptOffsetError, match=r"group 'billing', topic 'ORDER', queue 3"):
+    with pytest.raises(CorruptOffsetError, match=rf"group 'billing', topic 'ORDER', {problem}"):
         Consumer(warehouse, GROUP, "ORDER")
+    with pytest.raises(CorruptOffsetError, match=rf"group 'billing', topic 'ORDER', {problem}"):
+        PushConsumer(warehouse, GROUP, "ORDER", lambda m: ConsumeResult.SUCCESS)
+    with pytest.raises(CorruptOffsetError, match=problem):
+        read_committed_offsets(warehouse, GROUP, "ORDER")
     assert DeltaTable(path).to_pyarrow_table().num_rows == 1  # nothing deleted
     Consumer(warehouse, "shipping", "ORDER")  # other groups are not concerned
 
