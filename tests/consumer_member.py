@@ -4,12 +4,17 @@ stop, logging every call to its own file.
 
     python tests/consumer_member.py '{"warehouse": …, "member": "m0", "log": …, "stop": …}'
 
-Settings (JSON): warehouse, group, topic, member, heartbeat_interval_s,
-member_timeout_s, batch (poll size), log (the file it appends to), stop (a
-path: once it exists, the member closes after its next commit or empty poll
-and exits 0), hang_after (optional: once it has polled that many messages,
-it logs "hang" right after a poll and blocks there, before committing, for
-the test to SIGKILL it mid-batch).
+Settings (JSON): warehouse, group, topic, member (null: the default
+host:pid:random id), heartbeat_interval_s, member_timeout_s, batch (poll
+size), log (the file it appends to), stop (a path: once it exists, the
+member closes after its next commit or empty poll and exits 0), and
+optionally, counted in messages polled so far:
+- hang_after: once it has polled that many, it logs "hang" right after a
+  poll and blocks there, before committing, for the test to SIGKILL it
+  mid-batch;
+- pause_after: once it has polled that many, it logs "pause" right after a
+  poll and stops itself (SIGSTOP) before committing; after the test's
+  SIGCONT it logs "resume" and goes on (commits that batch, and so on).
 
 Each log line is one JSON object, written with a single os.write on an
 O_APPEND descriptor (nothing is buffered in the process: a SIGKILL loses no
@@ -18,13 +23,15 @@ line that was written); `t0`/`t1` are time.time() before and after the call:
   "got": [[queue_id, queue_offset], …]}: "got" are the messages handed out,
   processed before the commit that follows;
 - {"e": "commit", "t0", "t1", "held": […], "moved": {queue_id: next_offset}};
-- {"e": "hang", "t"}; {"e": "close", "t0", "t1"}.
+- {"e": "start", "t", "pid", "member"}; {"e": "hang", "t"}; {"e": "pause", "t"};
+  {"e": "resume", "t"}; {"e": "close", "t0", "t1"}.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -49,12 +56,13 @@ def main() -> int:
         settings["warehouse"],
         settings["group"],
         settings["topic"],
-        member=settings["member"],
+        member=settings.get("member"),
         heartbeat_interval_s=settings["heartbeat_interval_s"],
         member_timeout_s=settings["member_timeout_s"],
     )
-    log(e="start", t=time.time(), pid=os.getpid())
+    log(e="start", t=time.time(), pid=os.getpid(), member=consumer.member)
     hang_after = settings.get("hang_after")
+    pause_after = settings.get("pause_after")
     polled = 0
     while True:
         t0 = time.time()
@@ -67,6 +75,11 @@ def main() -> int:
             log(e="hang", t=time.time())
             threading.Event().wait(HANG_S)  # killed here, the batch not committed
             return 3
+        if batch and pause_after is not None and polled >= pause_after:
+            pause_after = None  # once
+            log(e="pause", t=time.time())
+            os.kill(os.getpid(), signal.SIGSTOP)  # stopped here until SIGCONT
+            log(e="resume", t=time.time())
         if batch:
             t0 = time.time()
             moved = consumer.commit()

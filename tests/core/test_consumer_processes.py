@@ -10,11 +10,12 @@ no two processes' gaps may overlap on a queue.
 
 Real processes run on the real clock, so the membership timings are made
 short through the Consumer's documented settings: heartbeat_interval_s=0.25
-everywhere; member_timeout_s=2 where a member is killed (the survivors wait
-out those 2 s), 5 where nobody dies, so that a hand-over seen within half of
-that cannot have come from the timeout. (A member reads every membership row
-younger than the timeout at each heartbeat: the default 30 s against 0.25 s
-heartbeats would make each heartbeat read hundreds of rows.)
+everywhere; member_timeout_s=2 where a member is killed or stopped (the
+others wait out those 2 s), 5 where nobody dies (a hand-over seen before a
+member's last heartbeat is 5 s old cannot have come from the timeout). A
+member reads every membership row younger than the timeout at each
+heartbeat: the default 30 s against 0.25 s heartbeats would make that
+hundreds of rows, and the test slow.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ PATIENCE_S = 30.0
 
 
 class Member:
-    """One member process and its log."""
+    """One member process and its log; `name` labels its files and is its
+    member id unless `member=None` (the default host:pid:random id) is given."""
 
     def __init__(self, tmp: Path, warehouse: str, name: str, **settings: Any):
         self.name = name
@@ -83,6 +85,11 @@ class Member:
                 stderr=err,
             )
         self.killed_at: float | None = None
+
+    @property
+    def member_id(self) -> str:
+        (start,) = self.records("start")
+        return str(start["member"])
 
     def records(self, event: str | None = None) -> list[dict]:
         if not self.log.exists():
@@ -132,7 +139,9 @@ class Member:
 
     def held_gaps(self) -> dict[int, list[tuple[float, float]]]:
         """The times it certainly held each queue: from the end of a call to
-        the start of the next (its close, or its SIGKILL)."""
+        the start of the next (its close, or its SIGKILL). A process stopped
+        with SIGSTOP believes it holds its queues until its next call, but
+        reads and commits nothing meanwhile: its gap ends when it stopped."""
         calls = self.calls()
         ends = [c["t0"] for c in calls[1:]]
         closes = self.records("close")
@@ -140,8 +149,10 @@ class Member:
             ends.append(closes[0]["t0"])
         elif self.killed_at is not None:
             ends.append(self.killed_at)
+        pauses = [p["t"] for p in self.records("pause")]
         gaps: dict[int, list[tuple[float, float]]] = {}
         for call, end in zip(calls, ends):
+            end = min([end] + [t for t in pauses if call["t1"] <= t < end])
             for queue_id in call["held"]:
                 gaps.setdefault(queue_id, []).append((call["t1"], end))
         return gaps
@@ -195,15 +206,19 @@ def all_committed(warehouse: str, per_queue: int) -> Callable[[], bool]:
     return lambda: read_committed_offsets(warehouse, GROUP, TOPIC) == {q: per_queue for q in QUEUES}
 
 
+def all_started(members: list[Member]) -> Callable[[], bool]:
+    return lambda: all(m.records("start") for m in members)
+
+
 def all_see(members: list[Member], names: list[str]) -> Callable[[], bool]:
-    """Each process's last call saw exactly `names` live."""
+    """Each process's last call saw exactly the members `names` live."""
     return lambda: all(m.calls() and m.calls()[-1].get("members") == names for m in members)
 
 
 def settled(members: list[Member], names: list[str]) -> Callable[[], bool]:
-    """Each process holds its share of the queues among `names`."""
+    """Each process holds its share of the queues among the members `names`."""
     return lambda: all(
-        m.calls() and m.calls()[-1]["held"] == allocate_queues(QUEUES, names, m.name)
+        m.calls() and m.calls()[-1]["held"] == allocate_queues(QUEUES, names, m.member_id)
         for m in members
     )
 
@@ -238,11 +253,14 @@ def reads_in_order(members: list[Member]) -> dict[int, list[int]]:
     return order
 
 
-def newest_member_rows(warehouse: str) -> dict[str, dict]:
+def newest_member_rows(warehouse: str, *, heartbeats: bool = False) -> dict[str, dict]:
+    """Each member's newest row in _sys/consumer_members (of its heartbeats only:
+    leaving rows left out)."""
     rows = DeltaTable(table_path(warehouse, CONSUMER_MEMBERS)).to_pyarrow_table().to_pylist()
     newest: dict[str, dict] = {}
     for row in sorted(rows, key=lambda r: (r["heartbeat_ms"], r["leaving"])):
-        newest[row["member"]] = row
+        if not (heartbeats and row["leaving"]):
+            newest[row["member"]] = row
     return newest
 
 
@@ -255,8 +273,12 @@ def first_holding(members: list[Member], queues: set[int]) -> dict:
 
 def test_three_member_processes_share_eight_queues_and_read_every_message_once(group, warehouse):
     deliver_all(warehouse, range(10))  # already there: the first to join takes it all
-    members = [group(name) for name in NAMES]
-    wait_until(settled(members, NAMES), "the three hold 0-2, 3-5 and 6-7", members)
+    # default member ids (host:pid:random), as processes started alike get
+    members = [group(name, member=None) for name in NAMES]
+    wait_until(all_started(members), "the three start", members)
+    ids = sorted(m.member_id for m in members)
+    assert len(set(ids)) == 3 and all(i.count(":") == 2 for i in ids), ids
+    wait_until(settled(members, ids), "the three hold 0-2, 3-5 and 6-7", members)
     settled_at = time.time()
     for wave in range(1, 4):  # 240 more while they consume
         deliver_all(warehouse, range(10 * wave, 10 * (wave + 1)))
@@ -273,12 +295,12 @@ def test_three_member_processes_share_eight_queues_and_read_every_message_once(g
     # each queue read straight through, across its hand-overs at the committed offset
     assert reads_in_order(members) == {q: list(range(40)) for q in QUEUES}
     for member in members:  # once settled, each read its own share only, and read some
-        share = allocate_queues(QUEUES, NAMES, member.name)
+        share = allocate_queues(QUEUES, ids, member.member_id)
         later = [q for r in member.records("poll") if r["t0"] > settled_at for q, _ in r["got"]]
-        assert later and set(later) <= set(share), (member.name, sorted(set(later)))
+        assert later and set(later) <= set(share), (member.member_id, sorted(set(later)))
     newest = newest_member_rows(warehouse)
     assert {name: (row["leaving"], row["queues"]) for name, row in newest.items()} == {
-        name: (True, []) for name in NAMES
+        name: (True, []) for name in ids
     }
 
 
@@ -287,7 +309,7 @@ def test_a_member_process_killed_with_sigkill_loses_its_queues_after_the_timeout
     group, warehouse, moment
 ):
     hung = moment == "hung mid-batch"
-    per_queue = 20 if hung else 40
+    per_queue = 20 if hung else 30
     members = [
         group(
             name,
@@ -334,6 +356,56 @@ def test_a_member_process_killed_with_sigkill_loses_its_queues_after_the_timeout
     assert not newest_member_rows(warehouse)["m1"]["leaving"]  # it never said it left
 
 
+def test_a_member_process_stopped_past_the_timeout_commits_nothing_for_queues_taken_over(
+    group, warehouse
+):
+    """SIGSTOP between a poll and its commit, for longer than member_timeout_s:
+    the others take its queues at its last commit; after SIGCONT its commit
+    writes nothing, and it gets its share back from their commits."""
+    members = [
+        group(
+            name, member_timeout_s=KILL_TIMEOUT_S, **({"pause_after": 10} if name == "m1" else {})
+        )
+        for name in NAMES
+    ]
+    survivors, stalled = [members[0], members[2]], members[1]
+    stalled_queues = set(allocate_queues(QUEUES, NAMES, "m1"))
+    wait_until(all_see(members, NAMES), "the three see each other", members)
+    deliver_all(warehouse, range(20))
+    wait_until(lambda: bool(stalled.records("pause")), "the member stops itself", members)
+    window = stalled.uncommitted()
+    assert window  # it stopped holding a polled batch it did not commit
+    wait_until(all_committed(warehouse, 20), "the others consume it all", survivors)
+    for member in survivors:
+        assert member.calls()[-1]["held"] == allocate_queues(QUEUES, ["m0", "m2"], member.name)
+    stalled.proc.send_signal(signal.SIGCONT)
+    wait_until(settled(members, NAMES), "the three hold their shares again", members)
+    deliver_all(warehouse, range(20, 30))
+    wait_until(all_committed(warehouse, 30), "everything committed", members)
+    for member in members:
+        member.stop()
+    for member in members:
+        member.wait_closed()
+
+    (resumed_at,) = [r["t"] for r in stalled.records("resume")]
+    resumed = next(r for r in stalled.records("commit") if r["t0"] > resumed_at)
+    assert (resumed["moved"], resumed["held"]) == ({}, [])  # its queues were taken over
+    counts = consumed(members)
+    assert sorted(counts) == everything(30)
+    assert sorted(m for m, n in counts.items() if n > 1) == sorted(window)  # only its batch
+    assert set(counts.values()) <= {1, 2}
+    assert overlaps(members) == []
+    # each queue read straight through, but for the stopped batch: read to its
+    # end by the stopped member, then again from its start by the others
+    expected = {}
+    for q in QUEUES:
+        batch = sorted(o for wq, o in window if wq == q)
+        expected[q] = [*range(batch[-1] + 1), *range(batch[0], 30)] if batch else [*range(30)]
+    assert reads_in_order(members) == expected
+    later = [q for r in stalled.records("poll") if r["t0"] > resumed["t1"] for q, _ in r["got"]]
+    assert later and set(later) <= stalled_queues  # back with its share
+
+
 def test_a_member_process_that_closes_hands_its_queues_over_at_the_next_heartbeat(group, warehouse):
     members = [group(name) for name in NAMES]  # member_timeout_s=5
     survivors, leaver = [members[0], members[2]], members[1]
@@ -359,7 +431,10 @@ def test_a_member_process_that_closes_hands_its_queues_over_at_the_next_heartbea
     assert reads_in_order(members) == {q: list(range(30)) for q in QUEUES}
     for member in survivors:
         assert member.calls()[-1]["held"] == allocate_queues(QUEUES, ["m0", "m2"], member.name)
-    # at a heartbeat of the others (every 0.25 s), well before the 5 s timeout
-    assert first_holding(survivors, leavers_queues)["t1"] - closed_at < TIMEOUT_S / 2
+    # at a heartbeat of the others (every 0.25 s), before its last heartbeat
+    # was member_timeout_s old: not from the timeout
+    takeover = first_holding(survivors, leavers_queues)
+    last_heartbeat_s = newest_member_rows(warehouse, heartbeats=True)["m1"]["heartbeat_ms"] / 1000
+    assert closed_at < takeover["t1"] < last_heartbeat_s + TIMEOUT_S
     left = newest_member_rows(warehouse)["m1"]
     assert (left["leaving"], left["queues"]) == (True, [])
