@@ -40,7 +40,7 @@ from typing import Any
 from txn_core import Consumer
 
 #: how long an idle member waits before it polls again (real processes, real time)
-IDLE_WAIT_S = 0.02
+IDLE_WAIT_S = 0.05
 #: a hung member blocks this long at most (the test kills it long before)
 HANG_S = 120.0
 
