@@ -4,6 +4,7 @@ with delta-rs: no Spark."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pyarrow as pa
@@ -290,6 +291,47 @@ def test_a_listener_that_raises_is_a_reconsume_with_its_reason(warehouse):
     (dead,) = dead_letters(warehouse)
     assert dead["reason"] == "ValueError: no such account"
     assert listener.calls == [(0, 0, 0), (0, 0, 1), (0, 1, 0)]
+
+
+class Ambiguous:
+    """What a listener returning e.g. a pandas DataFrame hands back: `==`
+    gives no bool (here: raises, as `bool(frame == x)` does)."""
+
+    def __eq__(self, other):
+        raise ValueError("The truth value of a DataFrame is ambiguous")
+
+    __hash__ = None
+
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no text")
+
+
+@pytest.mark.parametrize(
+    "answer, reason",
+    [
+        (Ambiguous(), r"the listener returned <.*Ambiguous object at .*>, not a ConsumeResult"),
+        (Unprintable(), r"Unprintable: <unprintable Unprintable>"),
+    ],
+)
+def test_a_listener_answer_that_cannot_be_compared_or_printed_is_a_reconsume(
+    warehouse, answer, reason
+):
+    # Before: the comparison (or the reason's text) raised out of the round,
+    # and every round delivered the message again at once, never dead-lettered.
+    deliver(warehouse, q0=range(2))
+    clock = Clock()
+    listener = Listener({(0, 0): [answer] * 5})
+    push = PushConsumer(warehouse, GROUP, "ORDER", listener, max_reconsume_times=1, clock=clock)
+    assert push.consume_once() == 1
+    assert push.consume_once() == 0  # waits for its retry: no hot loop
+    clock.advance(retry_delay_s(1))
+    assert push.consume_once() == 2  # the retry fails too: dead-lettered, then 0/1
+    assert listener.calls == [(0, 0, 0), (0, 0, 1), (0, 1, 0)]
+    (dead,) = dead_letters(warehouse)
+    assert re.fullmatch(reason, dead["reason"]), dead["reason"]
+    assert push.consumer.committed() == {0: 2}
 
 
 def test_after_max_reconsume_times_the_message_is_dead_lettered_and_the_group_goes_on(warehouse):
