@@ -138,8 +138,12 @@ def test_poll_on_a_topic_without_a_table_returns_nothing(warehouse):
     consumer = Consumer(warehouse, GROUP, "NOTHING_YET")
     assert consumer.poll() == []
     assert consumer.commit() == {}
+    listener = Listener()
+    push = PushConsumer(warehouse, "shipping", "NOTHING_YET", listener)
+    assert push.consume_once() == 0  # a push round too: nothing, no error
     deliver(warehouse, "NOTHING_YET", q0=range(1))
     assert offsets(consumer.poll()) == [(0, 0)]
+    assert push.consume_once() == 1 and listener.calls == [(0, 0, 0)]
 
 
 def test_a_closed_consumer_refuses_to_poll(warehouse):
