@@ -23,8 +23,8 @@ line that was written); `t0`/`t1` are time.time() before and after the call:
   "got": [[queue_id, queue_offset], …]}: "got" are the messages handed out,
   processed before the commit that follows;
 - {"e": "commit", "t0", "t1", "held": […], "moved": {queue_id: next_offset}};
-- {"e": "start", "t", "pid", "member"}; {"e": "hang", "t"}; {"e": "pause", "t"};
-  {"e": "resume", "t"}; {"e": "close", "t0", "t1"}.
+- {"e": "start", "t", "pid", "member", "code": the consumer_group module's file};
+- {"e": "hang", "t"}; {"e": "pause", "t"}; {"e": "resume", "t"}; {"e": "close", "t0", "t1"}.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Any
 
-from txn_core import Consumer
+from txn_core import Consumer, consumer_group
 
 #: how long an idle member waits before it polls again (real processes, real time)
 IDLE_WAIT_S = 0.05
@@ -60,7 +60,13 @@ def main() -> int:
         heartbeat_interval_s=settings["heartbeat_interval_s"],
         member_timeout_s=settings["member_timeout_s"],
     )
-    log(e="start", t=time.time(), pid=os.getpid(), member=consumer.member)
+    log(
+        e="start",
+        t=time.time(),
+        pid=os.getpid(),
+        member=consumer.member,
+        code=consumer_group.__file__,
+    )
     hang_after = settings.get("hang_after")
     pause_after = settings.get("pause_after")
     polled = 0

@@ -288,6 +288,10 @@ def test_three_member_processes_share_eight_queues_and_read_every_message_once(g
     members = [group(name, member=None) for name in NAMES]
     wait_until(all_started(members), "the three start", members)
     ids = sorted(m.member_id for m in members)
+    # the processes run this checkout's code
+    assert {m.records("start")[0]["code"] for m in members} == {
+        str(REPO / "txn_core" / "consumer_group.py")
+    }
     assert len(set(ids)) == 3 and all(i.count(":") == 2 for i in ids), ids
     wait_until(settled(members, ids), "the three hold 0-2, 3-5 and 6-7", members)
     settled_at = time.time()
