@@ -175,7 +175,7 @@ def group(tmp_path, warehouse):
 
 
 def wait_until(condition: Callable[[], bool], what: str, members: Iterable[Member]) -> None:
-    """Until the processes get there (polling their logs and tables)."""
+    """Until the processes get there (as their logs say), failing at once if one exits."""
     members = list(members)
     deadline = time.monotonic() + PATIENCE_S
     while not condition():
