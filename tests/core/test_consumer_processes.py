@@ -347,7 +347,9 @@ def test_a_member_process_killed_with_sigkill_loses_its_queues_after_the_timeout
     assert len(victim.got()) < 3 * per_queue  # it died with work left in its queues
     wait_until(all_committed(members, per_queue), "everything committed", survivors)
     assert read_committed_offsets(warehouse, GROUP, TOPIC) == {q: per_queue for q in QUEUES}
-    for member in survivors:
+    for member in survivors:  # the two survivors share the queues
+        assert member.calls()[-1]["held"] == allocate_queues(QUEUES, ["m0", "m2"], member.name)
+    for member in survivors:  # (the last to stop takes all: the other left)
         member.stop()
     for member in survivors:
         member.wait_closed()
@@ -362,9 +364,6 @@ def test_a_member_process_killed_with_sigkill_loses_its_queues_after_the_timeout
     else:  # only from its uncommitted window
         assert set(twice) <= set(window), (twice, window)
     assert overlaps(members) == []
-    # the two survivors share the queues at the end
-    for member in survivors:
-        assert member.calls()[-1]["held"] == allocate_queues(QUEUES, ["m0", "m2"], member.name)
     # not taken before its last heartbeat was member_timeout_s old, and not long after
     last_heartbeat_s = newest_member_rows(warehouse)["m1"]["heartbeat_ms"] / 1000
     takeover = first_holding(survivors, victims_queues)
@@ -439,7 +438,9 @@ def test_a_member_process_that_closes_hands_its_queues_over_at_the_next_heartbea
     deliver_all(warehouse, range(20, 30))
     wait_until(all_committed(members, 30), "everything committed", survivors)
     assert read_committed_offsets(warehouse, GROUP, TOPIC) == {q: 30 for q in QUEUES}
-    for member in survivors:
+    for member in survivors:  # the two survivors share the queues
+        assert member.calls()[-1]["held"] == allocate_queues(QUEUES, ["m0", "m2"], member.name)
+    for member in survivors:  # (the last to stop takes all: the other left)
         member.stop()
     for member in survivors:
         member.wait_closed()
@@ -449,8 +450,6 @@ def test_a_member_process_that_closes_hands_its_queues_over_at_the_next_heartbea
     assert [m for m, n in counts.items() if n > 1] == []  # it committed all it polled
     assert overlaps(members) == []
     assert reads_in_order(members) == {q: list(range(30)) for q in QUEUES}
-    for member in survivors:
-        assert member.calls()[-1]["held"] == allocate_queues(QUEUES, ["m0", "m2"], member.name)
     # at a heartbeat of the others (every 0.25 s), before its last heartbeat
     # was member_timeout_s old: not from the timeout
     takeover = first_holding(survivors, leavers_queues)
