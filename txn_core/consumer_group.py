@@ -873,6 +873,15 @@ class Consumer:
         return moved
 
 
+def _text(render: Callable[[Any], str], value: object) -> str:
+    """`render(value)`, or a placeholder when that raises (a listener's odd
+    exception or answer must not fail the round that reports it)."""
+    try:
+        return render(value)
+    except Exception:  # noqa: BLE001 - any failure: the placeholder instead
+        return f"<unprintable {type(value).__name__}>"
+
+
 #: a push consumer's listener: what to do with one message
 Listener = Callable[[ConsumedMessage], ConsumeResult]
 
@@ -1066,16 +1075,22 @@ class PushConsumer:
         return delivered
 
     def _deliver(self, message: ConsumedMessage) -> str | None:
-        """Call the listener; None on success, else the reason to retry."""
+        """Call the listener; None on success, else the reason to retry.
+
+        Whatever the listener raises or returns ends here: an answer that is
+        not a string is not compared (`==` of e.g. a DataFrame raises), and
+        the reason's text cannot fail, so a bad answer is a reconsume with
+        backoff like any other, never an error that redelivers at once."""
         try:
             result = self._listener(message)
         except Exception as exc:  # noqa: BLE001 - a failing listener is a reconsume
-            return f"{type(exc).__name__}: {exc}"
-        if result == ConsumeResult.SUCCESS:
-            return None
-        if result == ConsumeResult.RECONSUME_LATER:
-            return str(ConsumeResult.RECONSUME_LATER)
-        return f"the listener returned {result!r}, not a ConsumeResult"
+            return f"{type(exc).__name__}: {_text(str, exc)}"
+        if isinstance(result, str):
+            if result == ConsumeResult.SUCCESS:
+                return None
+            if result == ConsumeResult.RECONSUME_LATER:
+                return str(ConsumeResult.RECONSUME_LATER)
+        return f"the listener returned {_text(repr, result)}, not a ConsumeResult"
 
     def _dead_letter(self, message: ConsumedMessage, retry: _Retry) -> None:
         if self._dlq_table is None:

@@ -4,6 +4,7 @@ with delta-rs: no Spark."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pyarrow as pa
@@ -21,7 +22,7 @@ from txn_core import (
     CorruptOffsetError,
     PushConsumer,
 )
-from txn_core.consumer_group import retry_delay_s
+from txn_core.consumer_group import read_committed_offsets, retry_delay_s
 
 from factories import Clock, deliver
 
@@ -137,8 +138,12 @@ def test_poll_on_a_topic_without_a_table_returns_nothing(warehouse):
     consumer = Consumer(warehouse, GROUP, "NOTHING_YET")
     assert consumer.poll() == []
     assert consumer.commit() == {}
+    listener = Listener()
+    push = PushConsumer(warehouse, "shipping", "NOTHING_YET", listener)
+    assert push.consume_once() == 0  # a push round too: nothing, no error
     deliver(warehouse, "NOTHING_YET", q0=range(1))
     assert offsets(consumer.poll()) == [(0, 0)]
+    assert push.consume_once() == 1 and listener.calls == [(0, 0, 0)]
 
 
 def test_a_closed_consumer_refuses_to_poll(warehouse):
@@ -184,23 +189,37 @@ def test_bad_poll_and_seek_arguments_are_refused(warehouse):
         Consumer(warehouse, GROUP, "bad/topic")
 
 
-@pytest.mark.parametrize("next_offset", [None, -3])
-def test_a_corrupt_offsets_row_names_group_topic_and_queue(warehouse, next_offset):
+@pytest.mark.parametrize(
+    "corruption, problem",
+    [
+        ({"next_offset": None}, r"queue 3 is corrupt \(next_offset is None\)"),
+        ({"next_offset": -3}, r"queue 3 is corrupt \(next_offset is -3\)"),
+        ({"queue_id": None}, r"queue None is corrupt \(queue_id is None\)"),
+        ({"queue_id": -1}, r"queue -1 is corrupt \(queue_id is -1\)"),
+        ({"committed_ms": None}, r"queue 3 is corrupt \(committed_ms is None\)"),
+    ],
+)
+def test_a_corrupt_offsets_row_names_group_topic_and_queue(warehouse, corruption, problem):
     # written with a schema that lets a null in, as a foreign writer might
     schema = pa.schema([f.with_nullable(True) for f in arrow_schema(CONSUMER_OFFSETS)])
     row = {
         "group": GROUP,
         "topic": "ORDER",
         "queue_id": 3,
-        "next_offset": next_offset,
+        "next_offset": 2,
         "member": "m",
         "committed_ms": 1,
+        **corruption,
     }
     path = table_path(warehouse, CONSUMER_OFFSETS)
     write_deltalake(path, pa.Table.from_pylist([row], schema=schema), mode="append")
 
-    with pytest.raises(CorruptOffsetError, match=r"group 'billing', topic 'ORDER', queue 3"):
+    with pytest.raises(CorruptOffsetError, match=rf"group 'billing', topic 'ORDER', {problem}"):
         Consumer(warehouse, GROUP, "ORDER")
+    with pytest.raises(CorruptOffsetError, match=rf"group 'billing', topic 'ORDER', {problem}"):
+        PushConsumer(warehouse, GROUP, "ORDER", lambda m: ConsumeResult.SUCCESS)
+    with pytest.raises(CorruptOffsetError, match=problem):
+        read_committed_offsets(warehouse, GROUP, "ORDER")
     assert DeltaTable(path).to_pyarrow_table().num_rows == 1  # nothing deleted
     Consumer(warehouse, "shipping", "ORDER")  # other groups are not concerned
 
@@ -276,6 +295,47 @@ def test_a_listener_that_raises_is_a_reconsume_with_its_reason(warehouse):
     (dead,) = dead_letters(warehouse)
     assert dead["reason"] == "ValueError: no such account"
     assert listener.calls == [(0, 0, 0), (0, 0, 1), (0, 1, 0)]
+
+
+class Ambiguous:
+    """What a listener returning e.g. a pandas DataFrame hands back: `==`
+    gives no bool (here: raises, as `bool(frame == x)` does)."""
+
+    def __eq__(self, other):
+        raise ValueError("The truth value of a DataFrame is ambiguous")
+
+    __hash__ = None
+
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no text")
+
+
+@pytest.mark.parametrize(
+    "answer, reason",
+    [
+        (Ambiguous(), r"the listener returned <.*Ambiguous object at .*>, not a ConsumeResult"),
+        (Unprintable(), r"Unprintable: <unprintable Unprintable>"),
+    ],
+)
+def test_a_listener_answer_that_cannot_be_compared_or_printed_is_a_reconsume(
+    warehouse, answer, reason
+):
+    # Before: the comparison (or the reason's text) raised out of the round,
+    # and every round delivered the message again at once, never dead-lettered.
+    deliver(warehouse, q0=range(2))
+    clock = Clock()
+    listener = Listener({(0, 0): [answer] * 5})
+    push = PushConsumer(warehouse, GROUP, "ORDER", listener, max_reconsume_times=1, clock=clock)
+    assert push.consume_once() == 1
+    assert push.consume_once() == 0  # waits for its retry: no hot loop
+    clock.advance(retry_delay_s(1))
+    assert push.consume_once() == 2  # the retry fails too: dead-lettered, then 0/1
+    assert listener.calls == [(0, 0, 0), (0, 0, 1), (0, 1, 0)]
+    (dead,) = dead_letters(warehouse)
+    assert re.fullmatch(reason, dead["reason"]), dead["reason"]
+    assert push.consumer.committed() == {0: 2}
 
 
 def test_after_max_reconsume_times_the_message_is_dead_lettered_and_the_group_goes_on(warehouse):
