@@ -22,7 +22,7 @@ from pyspark.sql import Column, DataFrame, Observation
 from pyspark.sql import functions as F
 
 from jobs import transforms as T
-from txn_core.vocabulary import Action, Decision, OpOutcome
+from txn_core.vocabulary import CANCEL, Action, Decision, OpOutcome
 
 
 def _where(cond: str) -> Column:
@@ -30,6 +30,11 @@ def _where(cond: str) -> Column:
     are none). SQL text, as in `T.conform`: one call into the JVM per
     counter instead of a dozen."""
     return F.expr(f"coalesce(sum(CASE WHEN {cond} THEN 1 ELSE 0 END), 0)")
+
+
+_NO_CANCEL = f"action != '{CANCEL}'"
+#: SQL: a classified OP names a delayed message and was stored before its due time
+_DELAYED = "coalesce(due_ms > store_ms, false)"
 
 
 def _rows() -> Column:
@@ -66,9 +71,15 @@ class Counters:
     def pending(self, pending_prev: DataFrame) -> DataFrame:
         return self._observe("pending", pending_prev, _rows().alias("pending_before"))
 
-    def ops(self, classified: DataFrame) -> DataFrame:
+    def ops(self, classified: DataFrame, rules: T.Rules) -> DataFrame:
         """`classified` (`T.classify_ops`), counted by outcome. Called again
-        for OPs classified again with the history: the last one counts."""
+        for OPs classified again with the history: the last one counts.
+        Also the winning COMMITs of delayed messages: committed before their
+        time (`_commits_delayed`), of which due after the run's watermark
+        (`_commits_later`: scheduled, not delivered), and the earliest such
+        due time."""
+        won_delayed = f"outcome = '{OpOutcome.WIN}' AND action = '{Action.COMMIT}' AND {_DELAYED}"
+        later = f"{won_delayed} AND due_ms > {rules.watermark_ms}"
         return self._observe(
             "ops",
             classified,
@@ -81,9 +92,17 @@ class Counters:
             ),
             _where(f"outcome = '{OpOutcome.DUPLICATE}'").alias("duplicate_ops"),
             _where(f"outcome = '{OpOutcome.CONFLICT}'").alias("conflicting_ops"),
-            _where(f"outcome = '{OpOutcome.INVALID}'").alias("invalid_ops"),
-            _where(f"outcome = '{OpOutcome.LATE}'").alias("late_ops"),
+            # a cancel's outcome is its own step's to count (`jobs.cancels`)
+            _where(f"outcome = '{OpOutcome.INVALID}' AND {_NO_CANCEL}").alias("invalid_ops"),
+            _where(f"outcome = '{OpOutcome.LATE}' AND {_NO_CANCEL}").alias("late_ops"),
+            _where(f"action = '{CANCEL}'").alias("_cancel_ops"),
+            _where(
+                f"outcome = '{OpOutcome.WIN}' AND action = '{Action.COMMIT}' AND due_ms IS NOT NULL"
+            ).alias("_commits_of_delayed"),
             _where(f"reason = '{T.UNKNOWN_OFFSET}'").alias("_unknown_offset_ops"),
+            _where(won_delayed).alias("_commits_delayed"),
+            _where(later).alias("_commits_later"),
+            F.expr(f"min(CASE WHEN {later} THEN due_ms END)").alias("_commits_later_earliest"),
         )
 
     def fates(self, fates: DataFrame, rules: T.Rules) -> DataFrame:

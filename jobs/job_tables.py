@@ -10,6 +10,7 @@ from pyspark.sql import SparkSession
 from schemas import TOPIC, TableSchema, table_path, topic_path
 from schemas.arrow import arrow_schema
 from schemas.tables import (
+    CANCELLED,
     CHECK_REQUESTS,
     DISCARD,
     PENDING,
@@ -33,15 +34,23 @@ CDF_PROPERTIES = {"delta.enableChangeDataFeed": "true"}
 #: are ever used to skip files: consumers seek a topic by (queue_id,
 #: queue_offset), a run looks resolved messages up by half_offset and the last
 #: run by run_number; the pending set is read whole.
-STATS_COLUMNS = {TOPIC.path: 2, RESOLVED.path: 1, PENDING.path: 1, RUNS.path: 2, SCHEDULED.path: 1}
+STATS_COLUMNS = {
+    TOPIC.path: 2,
+    RESOLVED.path: 1,
+    PENDING.path: 1,
+    RUNS.path: 2,
+    SCHEDULED.path: 1,
+    CANCELLED.path: 2,
+}
 
 
-#: `_sys/runs` last: once it exists, all the others do (one existence check per run)
+#: `_sys/runs` last: once it exists, all the others do, but `_sys/cancelled`,
+#: the newest, made last of all (`ensure_job_tables`)
 JOB_TABLES = (PENDING, QUEUES, RESOLVED, REJECTED, DISCARD, CHECK_REQUESTS, SCHEDULED, RUNS)
 
 
 #: state tables a run reads, pinned by version in its intent
-STATE_TABLES = (PENDING, QUEUES, RESOLVED, DISCARD, SCHEDULED)
+STATE_TABLES = (PENDING, QUEUES, RESOLVED, DISCARD, SCHEDULED, CANCELLED)
 
 
 #: state tables a run reads whole, not looked up by key
@@ -95,14 +104,29 @@ def table_properties(table: TableSchema) -> dict[str, str]:
     return props
 
 
+#: job tables that gained columns after their first release
+MIGRATED_TABLES = (PENDING, SCHEDULED)
+
+
 def ensure_job_tables(warehouse: str) -> None:
-    # `_sys/scheduled` came after the others: a warehouse may have them all but it
-    if is_delta(table_path(warehouse, RUNS)) and is_delta(table_path(warehouse, SCHEDULED)):
+    """Create the missing job tables, add the columns an earlier release's
+    lack (nullable, last: a metadata-only commit, before any run pins them),
+    then create `_sys/cancelled`, the newest table: once it exists, every
+    job table is current (one existence check per run)."""
+    if is_delta(table_path(warehouse, RUNS)) and is_delta(table_path(warehouse, CANCELLED)):
         return
     for table in JOB_TABLES:
         path = table_path(warehouse, table)
         if not is_delta(path):
             create_table(path, table)
+    from deltalake import DeltaTable as RsTable
+
+    from txn_core.tables import add_missing_columns
+
+    for table in MIGRATED_TABLES:
+        path = table_path(warehouse, table)
+        add_missing_columns(RsTable(path, storage_options=options_for(path)), table)
+    create_table(table_path(warehouse, CANCELLED), CANCELLED)
 
 
 def ensure_topic_table(warehouse: str, topic: str) -> str:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pyspark.sql import functions as F
 from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
 
-from jobs import inputs, job_tables, run_log, scheduled
+from jobs import cancels, inputs, job_tables, run_log, scheduled
 from jobs import transforms as T
 from jobs.counters import Counters
 from jobs.held import Held
@@ -17,6 +17,7 @@ from jobs.local import local_frame
 from jobs.writes import RunWrites, start_deliveries
 from schemas import CHECK_ANSWERS, HALF, OP, table_path
 from schemas.tables import (
+    CANCELLED,
     CHECK_REQUESTS,
     DISCARD,
     PENDING,
@@ -124,34 +125,67 @@ def compute(
     later = _scheduling(plain, rules)
     # delayed messages due in (the previous watermark, this run's]: their keys
     due = T.due_scheduled(inputs.read_state(spark, wh, record.state_versions, SCHEDULED), rules)
-    due_keys = held.checkpoint(T.scheduled_winners(due)) if rules.scheduled_before else None
-    n_due = due_keys.count() if due_keys is not None else 0
+    prior = cancels.prior_cancels(spark, wh, record.state_versions)
+    due_keys = None
+    if rules.scheduled_before:
+        due_keys = T.scheduled_winners(due)
+        if prior is not None:  # cancelled before: leave the set now, undelivered
+            dropped = cancels.prior_cancels_due(prior, rules).withColumn("_cancelled", F.lit(True))
+            due_keys = due_keys.join(F.broadcast(dropped), "half_offset", "left")
+        due_keys = held.checkpoint(due_keys)
+    n_due_rows, n_due, n_due_resolved = _due_counts(due_keys)
+    if due_keys is not None and "_cancelled" in due_keys.columns:
+        due_keys = due_keys.where(F.col("_cancelled").isNull()).drop("_cancelled")
     later["delivered_scheduled"] = n_due
-    later["next_scheduled_ms"] = _earliest(
-        scheduled.next_due_after(
-            wh, record.state_versions.get(SCHEDULED.path, job_tables.NO_VERSION), rules.watermark_ms
-        )
-        if rules.scheduled_before > n_due
-        else None,
-        later.pop("_new_earliest"),
-    )
-    later["scheduled_after"] = rules.scheduled_before + later["scheduled"] - n_due
     no_history = T.history_targets(inputs.empty(spark, RESOLVED), inputs.empty(spark, DISCARD))
     targets = T.op_targets(live, no_history)
     if plain is not None:  # an OP naming a plain message of this run: a duplicate or a conflict
         targets = targets.unionByName(T.plain_targets(plain))
-    classified = held.checkpoint(counted.ops(T.classify_ops(ops, targets, discards=False)))
-    classified, discard_hist = _with_history(spark, wh, record, classified, held, counted)
-    c = _with_scheduling(counted.values(), later)
+    classified = held.checkpoint(counted.ops(T.classify_ops(ops, targets, discards=False), rules))
+    classified, discard_hist = _with_history(spark, wh, record, classified, held, counted, rules)
+    # delayed transactional messages committed before their time: those
+    # still ahead of the watermark are scheduled, the others placed by it
+    observed = counted.values()
+    later["scheduled"] += observed["_commits_later"]
+    delayed_now = observed["_commits_delayed"] > observed["_commits_later"]
+    later["next_scheduled_ms"] = _earliest(
+        scheduled.next_due_after(
+            wh, record.state_versions.get(SCHEDULED.path, job_tables.NO_VERSION), rules.watermark_ms
+        )
+        if rules.scheduled_before > n_due_rows
+        else None,
+        later.pop("_new_earliest"),
+        observed["_commits_later_earliest"],
+    )
+    later["scheduled_after"] = rules.scheduled_before + later["scheduled"] - n_due_rows
+    judged = (
+        cancels.judge(spark, wh, record.state_versions, classified, rules)
+        if observed["_cancel_ops"]
+        else None
+    )
     won_ops = T.winners(classified)
+    won_now, won_later = T.split_won(won_ops, rules)
+    later["withheld"] = 0
+    if prior is not None and observed["_commits_of_delayed"] > observed["_commits_later"]:
+        # committed at or after the time of a message cancelled while pending
+        kept = cancels.drop_cancelled_commits(won_now, prior)
+        later["withheld"] = won_now.count() - kept.count()
+        won_now = kept
+    c = _with_scheduling(counted.values(), later)
     # plain messages: committed by their store, delivered among the winning
     # COMMITs; the delayed ones once due
-    won = won_ops
+    won, decided_now = won_now, won_ops
     if plain is not None:
         now, _ = T.split_plain(plain, rules)
         won = won.unionByName(T.plain_winners(now), allowMissingColumns=True)
+        decided_now = decided_now.unionByName(T.plain_winners(now), allowMissingColumns=True)
     if n_due:
         won = won.unionByName(due_keys, allowMissingColumns=True)
+        if n_due > n_due_resolved:  # a plain message is resolved by the run delivering it
+            decided_now = decided_now.unionByName(
+                due_keys.where(~F.col("resolved_before")).drop("resolved_before"),
+                allowMissingColumns=True,
+            )
     # before any write: Spark gives a job's tasks the cores in the order
     # the jobs came, and this small one would wait for a write's
     queue_ends = sorted(tuple(row) for row in T.queue_ends(won, queues).collect())
@@ -164,28 +198,36 @@ def compute(
             "overwrite",
             rows=len(queue_ends),  # and the queues this run leaves as they are: a few per topic
         )
-    if writing and (c["committed"] or c["rolled_back"]):
+    n_resolved = _resolved_count(c, observed["_commits_later"], n_due_resolved)
+    if writing and n_resolved:
         writes.start(
-            T.resolved_rows(won, rules),
+            T.resolved_rows(decided_now, rules),
             table_path(wh, RESOLVED),
             RESOLVED.path,
             "append",
-            rows=c["committed"] + c["rolled_back"],
+            rows=n_resolved,
         )
+    known = T.known_messages(messages, discard_hist)
     if writing and later["scheduled"]:
+        rows = None
+        if plain is not None:
+            rows = T.scheduled_rows(_plain_rows(checked, rules), rules)
+        if observed["_commits_later"]:
+            commits = T.scheduled_commits(won_later, known, rules)
+            rows = commits if rows is None else rows.unionByName(commits)
         writes.start(
-            _scheduled_files(T.scheduled_rows(_plain_rows(checked, rules), rules), later),
+            _scheduled_files(rows, later),
             table_path(wh, SCHEDULED),
             SCHEDULED.path,
             "append",
             rows=later["scheduled"],
         )
-    known = T.known_messages(messages, discard_hist)
     if n_due:
         known = known.unionByName(due.select(*STORED_MESSAGE_COLUMNS))
+    merge = plain is not None or n_due > 0 or delayed_now
     if writing and delivered_by_topic:  # the biggest write: started before the others are planned
         delivered = T.with_bodies(
-            T.queue_positions(won, queues, plain=plain is not None or n_due > 0),
+            T.queue_positions(won, queues, plain=merge),
             known,
             broadcast=c["committed"] <= BROADCAST_MAX_ROWS,
         )
@@ -197,6 +239,18 @@ def compute(
         counted.fates(T.decide(T.apply_answers(undecided, answers), rules), rules)
     )
     c = {k: v for k, v in _with_scheduling(counted.values(), later).items() if k[0] != "_"}
+    c["cancelled"] = 0
+    if judged is not None:
+        for name, n in judged.counts.items():
+            c[name] += n
+        if writing and judged.cancelled:
+            writes.start(
+                judged.cancelled_frame(spark),
+                table_path(wh, CANCELLED),
+                CANCELLED.path,
+                "append",
+                rows=len(judged.cancelled),
+            )
     # no new version: nothing to count, and no Spark job to wait for
     c["answers_read"] = (
         answers.count() if record.answers_version > record.prev_answers_version else 0
@@ -213,7 +267,7 @@ def compute(
     return Outputs(
         requests=T.check_requests(with_decision(Decision.CHECK), rules),
         discards=T.discards(with_decision(Decision.EXPIRED, Decision.MAX_CHECKS), rules),
-        rejected=rejected_halves.unionByName(T.op_rejections(classified, rules)),
+        rejected=_rejected(spark, rejected_halves, classified, judged, rules),
         pending=T.next_pending(with_decision(Decision.CHECK, Decision.WAIT), rules),
         counts=c,
         delivered_by_topic=delivered_by_topic,
@@ -223,6 +277,37 @@ def compute(
 #: rows per file of a run's scheduled rows, sorted by due_ms: a run reading
 #: what falls due opens the few files whose due_ms range meets its window
 SCHEDULED_ROWS_PER_FILE = 25_000
+
+
+def _due_counts(due_keys) -> tuple[int, int, int]:
+    """(scheduled rows due in this run, of which delivered: not cancelled,
+    and of those the transactional ones: resolved when their COMMIT won), in
+    one Spark job; zeros without any."""
+    if due_keys is None:
+        return 0, 0, 0
+    kept = F.col("_cancelled").isNull() if "_cancelled" in due_keys.columns else F.lit(True)
+    row = due_keys.agg(
+        F.count(F.lit(1)),
+        F.coalesce(F.sum(kept.cast("int")), F.lit(0)),
+        F.coalesce(F.sum((kept & F.col("resolved_before")).cast("int")), F.lit(0)),
+    ).first()
+    return int(row[0]), int(row[1]), int(row[2])
+
+
+def _rejected(spark, rejected_halves, classified, judged, rules: T.Rules):
+    """The run's REJECTED rows: half rows, OPs never applied, and cancels."""
+    rows = rejected_halves.unionByName(T.op_rejections(classified, rules))
+    if judged is not None and judged.rejected:
+        rows = rows.unionByName(judged.rejected_frame(spark))
+    return rows
+
+
+def _resolved_count(c: dict, commits_later: int, due_resolved: int) -> int:
+    """The `_sys/resolved` rows of the run: its winning OPs (those of the
+    COMMITs it schedules or withholds, cancelled, included) and the plain
+    messages it delivers (those due from the scheduled set included, but the
+    transactional ones)."""
+    return c["committed"] + c["rolled_back"] + commits_later + c["withheld"] - due_resolved
 
 
 def _scheduled_files(rows, later: dict):
@@ -253,7 +338,7 @@ def _with_scheduling(c: dict, later: dict) -> dict:
     `next_due_ms` covers the earliest scheduled due time."""
     c = {**c, **later}
     if "committed" in c:
-        c["committed"] += later["delivered_scheduled"] - later["scheduled"]
+        c["committed"] += later["delivered_scheduled"] - later["scheduled"] - later["withheld"]
     if "next_due_ms" in c or later["next_scheduled_ms"] is not None:
         c["next_due_ms"] = _earliest(c.get("next_due_ms"), later["next_scheduled_ms"])
     return c
@@ -292,7 +377,13 @@ def _tables_of_undelivered(c: dict) -> list[str]:
 
 
 def _with_history(
-    spark, wh: str, record: run_log.RunRecord, classified, held: Held, counted: Counters
+    spark,
+    wh: str,
+    record: run_log.RunRecord,
+    classified,
+    held: Held,
+    counted: Counters,
+    rules: T.Rules,
 ):
     """(`classified` (`T.classify_ops` against the live messages), corrected
     for the OPs that match no live message by what the resolved and discard
@@ -317,7 +408,7 @@ def _with_history(
         discarded = discarded.join(wanted, "half_offset", "left_semi")
     history = T.history_targets(resolved, discarded)
     reclassified = T.reclassify_with_history(classified, wanted, history)
-    return held.checkpoint(counted.ops(reclassified)), discarded
+    return held.checkpoint(counted.ops(reclassified, rules)), discarded
 
 
 def _delivered_by_topic(queue_ends: list[tuple]) -> dict[str, int]:
@@ -366,7 +457,12 @@ def _pending_changed(c: dict) -> bool:
     as is). Plain messages never pend: read and delivered, they change nothing."""
     transactional = {
         "half_read": c["half_read"] - c["plain"],
-        "committed": c["committed"] - c["plain"],
+        # the winning COMMIT OPs, delivered now or scheduled
+        "committed": c["committed"]
+        - c["plain"]
+        - c["delivered_scheduled"]
+        + c["scheduled"]
+        + c["withheld"],
     }
     return any(
         {**c, **transactional}[k]

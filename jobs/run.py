@@ -70,6 +70,8 @@ class RunSummary(run_log.InputVersions):
     scheduled: int = 0
     #: scheduled messages this run delivered (counted in `committed` too)
     delivered_scheduled: int = 0
+    #: cancels of delayed messages this run applied (`_sys/cancelled`)
+    cancelled: int = 0
     #: the scheduled set after this run: how many wait, and the earliest due time
     scheduled_after: int = 0
     next_scheduled_ms: int | None = None

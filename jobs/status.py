@@ -10,7 +10,7 @@ from pyspark.sql import functions as F
 from jobs import inputs, job_tables, run_log
 from jobs.session import use_warehouse
 from schemas import HALF, PENDING, table_path
-from schemas.tables import SCHEDULED
+from schemas.tables import CANCELLED, SCHEDULED
 from txn_core.config import Config, as_config
 from txn_core.vocabulary import RunStatus
 
@@ -34,6 +34,10 @@ class StatusReport:
     scheduled: int = 0
     next_scheduled_ms: int | None = None
     scheduled_by_topic: dict[str, int] = field(default_factory=dict)
+    #: delayed messages whose delivery was cancelled (`Broker.cancel`), in
+    #: all, and per topic; a cancelled message no longer counts as scheduled
+    cancelled: int = 0
+    cancelled_by_topic: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -58,6 +62,7 @@ def status(spark, config: Config | dict, now_ms: int | None = None) -> StatusRep
             return {r[c]: r["n"] for r in rows}
 
         waiting = _scheduled(spark, wh, last)
+        waiting.update(_cancelled(spark, wh, last))
         half_v = job_tables.latest_version(table_path(wh, HALF))
         read_v = last.half_version if last else job_tables.NO_VERSION
         return StatusReport(
@@ -94,6 +99,10 @@ def _scheduled(spark, wh: str, last: run_log.RunRecord | None) -> dict:
         .load(path)
         .where(F.col("due_ms") > F.lit(summary.get("watermark_ms", last.now_ms)))
     )
+    cancelled = table_path(wh, CANCELLED)
+    if job_tables.is_delta(cancelled):
+        dropped = spark.read.format("delta").load(cancelled).select("half_offset")
+        waiting = waiting.join(dropped, "half_offset", "left_anti")
     rows = waiting.groupBy("topic").agg(F.count(F.lit(1)).alias("n"))
     by_topic = {r["topic"]: r["n"] for r in rows.orderBy("topic").collect()}
     return {
@@ -101,3 +110,16 @@ def _scheduled(spark, wh: str, last: run_log.RunRecord | None) -> dict:
         "next_scheduled_ms": summary.get("next_scheduled_ms"),
         "scheduled_by_topic": by_topic,
     }
+
+
+def _cancelled(spark, wh: str, last: run_log.RunRecord | None) -> dict:
+    """The cancels the committed runs recorded (`_sys/cancelled`), by topic."""
+    path = table_path(wh, CANCELLED)
+    if last is None or not job_tables.is_delta(path):
+        return {}
+    rows = spark.read.format("delta").load(path)
+    if last.status != RunStatus.COMMITTED:  # an interrupted run's rows are not yet its
+        rows = rows.where(F.col("run_id") != F.lit(last.run_id))
+    counted = rows.groupBy("topic").agg(F.count(F.lit(1)).alias("n")).orderBy("topic").collect()
+    by_topic = {r["topic"]: r["n"] for r in counted}
+    return {"cancelled": sum(by_topic.values()), "cancelled_by_topic": by_topic}

@@ -31,6 +31,7 @@ from schemas.tables import (
     STORED_MESSAGE_COLUMNS,
 )
 from txn_core.vocabulary import (
+    CANCEL,
     SYSTEM_TOPIC_REGEX,
     TOPIC_PATTERN,
     Action,
@@ -57,6 +58,7 @@ FATE_COLUMNS = (
     "checks_undecided",
     "last_check_ms",
     "age_ms",
+    "deliver_at_ms",  # a pending message's, carried in `_sys/pending`
 )
 #: an OP as the job reads it: its row and the table version that added it
 OP_COLUMNS = (*OP.names, "commit_version")
@@ -256,6 +258,7 @@ def plain_targets(plain: DataFrame) -> DataFrame:
         *_IDENTITY,
         F.lit(Action.COMMIT.value).alias("prior_action"),
         F.lit(False).alias("discarded"),
+        F.expr(_DUE).alias("due_ms"),  # what a cancel of it needs
     )
 
 
@@ -277,6 +280,7 @@ def plain_winners(plain: DataFrame) -> DataFrame:
         .otherwise(F.lit(None))
         .cast("bigint")
         .alias("due_ms"),
+        F.expr(_DUE).alias("target_due_ms"),
     )
 
 
@@ -288,6 +292,29 @@ def scheduled_rows(plain_half: DataFrame, rules: Rules) -> DataFrame:
         later.withColumn("due_ms", F.col("deliver_at_ms"))
         .withColumn("commit_ms", F.col("store_ms"))
         .withColumn("run_number", F.lit(rules.run_number))
+        .withColumn("source", F.lit(None).cast("string"))
+    )
+    return conform(rows, SCHEDULED)
+
+
+def split_won(won: DataFrame, rules: Rules) -> tuple[DataFrame, DataFrame]:
+    """(the winning OPs (`winners`) this run applies now, the COMMITs of
+    delayed messages due after its watermark: scheduled, delivered later)."""
+    later = (F.col("action") == Action.COMMIT) & F.coalesce(
+        F.col("due_ms") > F.lit(rules.watermark_ms), F.lit(False)
+    )
+    return won.where(~later), won.where(later)
+
+
+def scheduled_commits(later: DataFrame, messages: DataFrame, rules: Rules) -> DataFrame:
+    """SCHEDULED rows of the winning COMMITs `split_won` holds back: the
+    whole stored message (from `messages`, `known_messages`), its due time,
+    its commit (the OP's store time and version) and the OP's source."""
+    keys = later.select(
+        "half_offset", "due_ms", F.col("op_store_ms").alias("commit_ms"), "commit_version", "source"
+    )
+    rows = keys.join(messages.select(*STORED_MESSAGE_COLUMNS), "half_offset").withColumn(
+        "run_number", F.lit(rules.run_number)
     )
     return conform(rows, SCHEDULED)
 
@@ -305,7 +332,8 @@ def due_scheduled(scheduled: DataFrame, rules: Rules) -> DataFrame:
 
 def scheduled_winners(due: DataFrame) -> DataFrame:
     """Due scheduled messages (`due_scheduled`) as `plain_winners` rows:
-    committed at `commit_ms`, placed by `due_ms`."""
+    committed at `commit_ms`, placed by `due_ms`; `resolved_before` for a
+    transactional one, whose `_sys/resolved` row its COMMIT's run wrote."""
     return due.select(
         *_IDENTITY,
         F.lit(Action.COMMIT.value).alias("action"),
@@ -315,6 +343,7 @@ def scheduled_winners(due: DataFrame) -> DataFrame:
         F.col("commit_ms").alias("op_store_ms"),
         F.lit(False).alias("discarded"),
         "due_ms",
+        F.col("source").isNotNull().alias("resolved_before"),
     )
 
 
@@ -351,10 +380,13 @@ def history_targets(resolved: DataFrame, discarded: DataFrame) -> DataFrame:
     )
     dis = _targets(discarded, discarded=True)
     # the rows of one message agree on its identity; max() just picks it deterministically
+    # a discarded message's delay is not kept: an operator's COMMIT of it
+    # delivers it at once (docs/protocol.md §4.4)
     return (
-        res.unionByName(dis)
+        res.unionByName(dis.drop("due_ms"))
         .groupBy("half_offset")
         .agg(*[F.max(c).alias(c) for c in (*_IDENTITY[1:], "prior_action", "discarded")])
+        .withColumn("due_ms", F.lit(None).cast("bigint"))
     )
 
 
@@ -368,12 +400,21 @@ _IDENTITY = ("half_offset", "transaction_id", "producer_group", "topic", "queue_
 
 
 def _targets(messages: DataFrame, *, discarded: bool) -> DataFrame:
-    """`messages` as OP targets no OP resolved before."""
+    """`messages` as OP targets no OP resolved before, with the due time
+    (`due_ms`) of a delayed one (null: not delayed, or not known)."""
+    due = (
+        F.expr(_DUE) if "deliver_at_ms" in messages.columns else F.lit(None).cast("bigint")
+    ).alias("due_ms")
     return messages.select(
         *_IDENTITY,
         F.lit(None).cast("string").alias("prior_action"),
         F.lit(discarded).alias("discarded"),
+        due,
     )
+
+
+#: SQL: a stored message's due time when it is delayed (after its store time), else null
+_DUE = "CASE WHEN deliver_at_ms > store_ms THEN deliver_at_ms END"
 
 
 _VALID_OP = f"(action IN {_sql_strings(Action)} AND source IN {_sql_strings(Source)})"
@@ -387,13 +428,14 @@ _OP_RANK = (
 # so the first row holds the first valid action whenever there is one
 _UPTO_HERE = f"({_OP_RANK} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)"
 _OP_INVALID = f"""CASE WHEN _t_txn IS NULL THEN '{UNKNOWN_OFFSET}'
-    WHEN NOT action IN {_sql_strings(Action)} THEN 'invalid action'
+    WHEN NOT action IN {_sql_strings([*Action, CANCEL])} THEN 'invalid action'
     WHEN NOT source IN {_sql_strings(Source)} THEN 'invalid source'
     WHEN producer_group != _t_group THEN 'producer_group mismatch'
     WHEN transaction_id != _t_txn THEN 'transaction_id mismatch' END"""
 _DISCARDED = "coalesce(discarded, false)"
 _OP_OUTCOME = f"""CASE WHEN _late THEN '{OpOutcome.LATE}'
     WHEN _invalid IS NOT NULL THEN '{OpOutcome.INVALID}'
+    WHEN action = '{CANCEL}' THEN '{OpOutcome.CANCEL}'
     WHEN prior_action IS NULL
          AND (CASE WHEN {_DISCARDED} THEN _first_admin ELSE _first END) THEN '{OpOutcome.WIN}'
     WHEN action = coalesce(prior_action, CASE WHEN {_DISCARDED} THEN _first_admin_action
@@ -403,7 +445,6 @@ _OP_OUTCOME = f"""CASE WHEN _late THEN '{OpOutcome.LATE}'
 _CLASSIFY_WORK = (
     "_t_txn",
     "_t_group",
-    "prior_action",
     "_invalid",
     "_late",
     "_first",
@@ -460,6 +501,7 @@ def classify_ops(ops: DataFrame, targets: DataFrame, *, discards: bool = True) -
         "queue_id",
         "prior_action",
         "discarded",
+        "due_ms",
     )
     joined = (
         ranked.join(t, "half_offset", "left")
@@ -496,7 +538,10 @@ def reclassify_with_history(
 
 def op_rejections(classified: DataFrame, rules: Rules) -> DataFrame:
     """REJECTED rows for OPs never applied (invalid or late), for audit."""
-    bad = classified.where(F.col("outcome").isin(OpOutcome.INVALID, OpOutcome.LATE))
+    # cancels are judged and recorded apart (`jobs.cancels`)
+    bad = classified.where(
+        F.col("outcome").isin(OpOutcome.INVALID, OpOutcome.LATE) & (F.col("action") != CANCEL)
+    )
     return conform(
         bad.select(
             F.lit("_sys/op").alias("source_table"),
@@ -525,7 +570,12 @@ def winners(classified: DataFrame) -> DataFrame:
         "commit_version",
         F.col("store_ms").alias("op_store_ms"),
         "discarded",
-        F.lit(None).cast("bigint").alias("due_ms"),  # placed by commit time
+        # a delayed message committed before its time is placed by that
+        # time (and scheduled while it is ahead); committed at or after
+        # it, by its commit, as any other
+        F.when(F.col("due_ms") > F.col("store_ms"), F.col("due_ms")).alias("due_ms"),
+        # the message's own due time, however late the commit: a cancel applies
+        F.col("due_ms").alias("target_due_ms"),
     )
 
 
@@ -573,8 +623,9 @@ def _with_merge_key(rows: DataFrame, plain: bool) -> DataFrame:
 
     Three kinds: COMMIT OPs (`_plain` 0) and plain messages (1), each in
     commit order (table version, offset) at their commit time, and delayed
-    messages now due (2, a `due_ms`), in the order of their due time (then
-    offset), at it: a delayed message goes after every message due before
+    messages now due (2, a `due_ms`: plain, or transactional committed
+    before their time), in the order of their due time (then half_offset),
+    at it: a delayed message goes after every message due before
     it. Without plain messages: `rows` as they are."""
     if not plain:
         return rows
@@ -586,22 +637,26 @@ def _with_merge_key(rows: DataFrame, plain: bool) -> DataFrame:
     )
     own = (
         Window.partitionBy("topic", "queue_id", "_plain")
-        .orderBy("_order", "op_offset")
+        .orderBy("_order", "_tie")
         .rowsBetween(Window.unboundedPreceding, Window.currentRow)
     )
     return (
         rows.withColumn("_plain", kind)
         .withColumn("_order", F.coalesce(due, F.col("commit_version")))
+        # delayed messages due at one time: by half_offset, whichever kind
+        # (plain or transactional, delivered now or from the scheduled set)
         .withColumn(
-            "_at",
-            F.max(F.struct(F.coalesce(due, F.col("op_store_ms")), F.col("op_offset"))).over(own),
+            "_tie", F.when(due.isNotNull(), F.col("half_offset")).otherwise(F.col("op_offset"))
+        )
+        .withColumn(
+            "_at", F.max(F.struct(F.coalesce(due, F.col("op_store_ms")), F.col("_tie"))).over(own)
         )
     )
 
 
 def _merge_order(plain: bool) -> tuple[str, ...]:
     """The sort of a queue's deliveries (`queue_positions`)."""
-    return ("_at", "_plain", "_order", "op_offset") if plain else ("commit_version", "op_offset")
+    return ("_at", "_plain", "_order", "_tie") if plain else ("commit_version", "op_offset")
 
 
 def queue_ends(won: DataFrame, queues: DataFrame) -> DataFrame:

@@ -30,6 +30,7 @@ from jobs.session import use_warehouse
 from schemas import HALF, OP, TOPIC, TableSchema, table_path, topic_path
 from schemas.spark import spark_schema
 from schemas.tables import (
+    CANCELLED,
     CHECK_REQUESTS,
     DISCARD,
     MESSAGE_COLUMNS,
@@ -41,6 +42,7 @@ from schemas.tables import (
 )
 from txn_core.config import as_config
 from txn_core.vocabulary import (
+    CANCEL,
     SYSTEM_TOPIC_REGEX,
     TOPIC_PATTERN,
     Action,
@@ -66,6 +68,8 @@ DELIVERED, ROLLED_BACK, DISCARDED, PENDING_FATE, REJECTED_FATE = (
 )
 #: a delayed plain message no committed run's watermark has reached yet
 SCHEDULED_FATE = "SCHEDULED"
+#: a delayed message committed (or plain) whose delivery a recorded cancel withdrew
+CANCELLED_FATE = "CANCELLED"
 
 
 @dataclass
@@ -387,7 +391,15 @@ def _topic_differences(delivered_rows: DataFrame, expected: DataFrame) -> list[D
                 "none",
             ),
             _check(
-                row & ~delivered,
+                row & _is(CANCELLED_FATE),
+                "delivered_cancelled",
+                found_in,
+                "no row (delivery cancelled)",
+                "a delivered row",
+                transaction_id="f_transaction_id",
+            ),
+            _check(
+                row & ~delivered & ~_is(CANCELLED_FATE),
                 "unexpected_delivery",
                 found_in,
                 _fate_text(),
@@ -463,7 +475,11 @@ def _pending_differences(pending: DataFrame, expected: DataFrame) -> list[DataFr
 def _resolved_differences(resolved: DataFrame, expected: DataFrame) -> list[DataFrame]:
     """The job's incremental state: one resolved row per decided message, as recomputed."""
     r = expected.join(_found(resolved), "half_offset", "full")
-    row, decided = F.col("f_row").isNotNull(), _is(DELIVERED, ROLLED_BACK)
+    # a transactional message committed and scheduled is decided already
+    # (as is one whose delivery was cancelled)
+    transactional = ~F.coalesce(F.col("plain"), F.lit(True))
+    scheduled_commit = _is(SCHEDULED_FATE, CANCELLED_FATE) & transactional
+    row, decided = F.col("f_row").isNotNull(), _is(DELIVERED, ROLLED_BACK) | scheduled_commit
     differs = (
         (F.col("f_action") != F.col("w_action"))
         | (F.col("f_op_offset") != F.col("w_op_offset"))
@@ -632,10 +648,12 @@ def _queue_differences(expected: DataFrame, queues: DataFrame) -> DataFrame:
 
 
 def _rejected_differences(
-    expected: DataFrame, ops: DataFrame, rejected: DataFrame
+    expected: DataFrame, ops: DataFrame, rejected: DataFrame, cancelled: DataFrame
 ) -> list[DataFrame]:
     """Rejected halves are recorded as such, and so is every OP never applied
-    (invalid, or late after a discard: I6), and no other."""
+    (invalid, or late after a discard: I6), and no other; a CANCEL OP is
+    accounted for by its cancel row, or another of its message's (a
+    duplicate), or a rejected row."""
     rej_halves = (
         rejected.where(F.col("source_table") == HALF.path)
         .select(F.col("row_offset").alias("half_offset"))
@@ -646,8 +664,11 @@ def _rejected_differences(
         .select(F.col("row_offset").alias("op_offset"), F.lit(True).alias("recorded"))
         .distinct()
     )
-    o = ops.join(rej_ops, "op_offset", "left")
-    recorded, applied = F.col("recorded").isNotNull(), F.col("valid") & ~F.col("late")
+    by_half = cancelled.select("half_offset", F.lit(True).alias("c_half"))
+    o = ops.join(rej_ops, "op_offset", "left").join(by_half, "half_offset", "left")
+    is_cancel = F.coalesce(F.col("action") == CANCEL, F.lit(False))
+    recorded = F.col("recorded").isNotNull() | (is_cancel & F.col("c_half").isNotNull())
+    applied = F.col("valid") & ~F.col("late")
     return [
         _diff(
             expected.where(_is(REJECTED_FATE)).join(rej_halves, "half_offset", "left_anti"),
@@ -704,7 +725,11 @@ def _raw_duplicates(half: DataFrame, op: DataFrame) -> list[DataFrame]:
 
 
 def _expected(
-    judged: DataFrame, winners: DataFrame, per_half_discard: DataFrame, delivered_rows: DataFrame
+    judged: DataFrame,
+    winners: DataFrame,
+    per_half_discard: DataFrame,
+    delivered_rows: DataFrame,
+    cancelled: DataFrame,
 ) -> DataFrame:
     """Every judged half once, with its fate (delivered once on COMMIT, rolled
     back on ROLLBACK, discarded once: a discard row and no deciding OP,
@@ -716,9 +741,17 @@ def _expected(
     fate = (
         judged.join(winners, "half_offset", "left")
         .join(per_half_discard.select("half_offset", "n_discards"), "half_offset", "left")
+        .join(cancelled.select("half_offset", F.lit(True).alias("cancel")), "half_offset", "left")
         .withColumn(
             "fate",
             F.when(F.col("bad_half"), F.lit(REJECTED_FATE))
+            # a committed (or plain) delayed message with a valid cancel is never delivered
+            .when(
+                F.col("cancel").isNotNull()
+                & F.col("due").isNotNull()
+                & (F.col("w_action") == Action.COMMIT),
+                F.lit(CANCELLED_FATE),
+            )
             .when(F.coalesce(F.col("w_scheduled"), F.lit(False)), F.lit(SCHEDULED_FATE))
             .when(F.col("w_action") == Action.COMMIT, F.lit(DELIVERED))
             .when(F.col("w_action") == Action.ROLLBACK, F.lit(ROLLED_BACK))
@@ -737,21 +770,26 @@ def _expected(
     # time, placed at it.
     own = (
         Window.partitionBy(*queue, "w_run", "w_kind")
-        .orderBy("_order", "undated_at", "w_op_offset")
+        .orderBy("_order", "undated_at", "_tie")
         .rowsBetween(Window.unboundedPreceding, Window.currentRow)
     )
     qorder = Window.partitionBy(*queue).orderBy(
-        "w_run", "_at", "w_kind", "_order", "undated_at", "w_op_offset"
+        "w_run", "_at", "w_kind", "_order", "undated_at", "_tie"
     )
     return (
         fate.join(found_at, "half_offset", "left")
         .withColumn("undated_at", F.when(~F.col("w_dated"), F.col("found_at")))
         .withColumn("_order", F.coalesce("w_due", "w_cv"))
+        # delayed messages due at one time go by half_offset, whatever their kind
         .withColumn(
-            "_at", F.max(F.struct(F.coalesce("w_due", "w_store_ms"), "w_op_offset")).over(own)
+            "_tie",
+            F.when(F.col("w_due").isNotNull(), F.col("half_offset")).otherwise(
+                F.col("w_op_offset")
+            ),
         )
+        .withColumn("_at", F.max(F.struct(F.coalesce("w_due", "w_store_ms"), "_tie")).over(own))
         .withColumn("exp_queue_offset", F.when(delivered, F.row_number().over(qorder) - 1))
-        .drop("found_at", "undated_at", "_at", "_order")
+        .drop("found_at", "undated_at", "_at", "_order", "_tie")
         .repartition("half_offset")
     )
 
@@ -799,9 +837,12 @@ def verify(spark: SparkSession, config) -> VerifyReport:
     halves = _halves(half)
     discard_dated, per_half_discard = _dated_discards(tables[DISCARD.path], runs)
     ops = _judged_ops(op, runs, halves, per_half_discard).cache()
-    winners = _with_plain(_winners(ops, tables[RESOLVED.path]), halves, runs, tables[RESOLVED.path])
+    op_winners = _with_delays(_winners(ops, tables[RESOLVED.path]), halves, runs)
+    winners = _with_plain(op_winners, halves, runs, tables[RESOLVED.path])
+    ops = _ops_on_scheduled_plain(ops, winners, halves, runs).cache()
     judged = halves.where(F.col("half_cv") <= F.lit(scope.half_upto))
-    expected = _expected(judged, winners, per_half_discard, delivered_rows).cache()
+    cancelled, cancel_diffs = _cancels(tables[CANCELLED.path], ops, halves, runs)
+    expected = _expected(judged, winners, per_half_discard, delivered_rows, cancelled).cache()
 
     all_diffs = _union(
         [
@@ -813,7 +854,8 @@ def verify(spark: SparkSession, config) -> VerifyReport:
             *_pending_differences(tables[PENDING.path], expected),
             *_resolved_differences(tables[RESOLVED.path], expected),
             _queue_differences(expected, tables[QUEUES.path]),
-            *_rejected_differences(expected, ops, tables[REJECTED.path]),
+            *_rejected_differences(expected, ops, tables[REJECTED.path], cancelled),
+            *cancel_diffs,
         ]
     ).cache()
     by_kind = {
@@ -914,7 +956,8 @@ def _state_tables(spark: SparkSession, wh: str, scope: _Scope) -> dict[str, Data
         return df
 
     return {
-        t.path: pinned(t) for t in (DISCARD, PENDING, RESOLVED, QUEUES, REJECTED, CHECK_REQUESTS)
+        t.path: pinned(t)
+        for t in (DISCARD, PENDING, RESOLVED, QUEUES, REJECTED, CHECK_REQUESTS, CANCELLED)
     }
 
 
@@ -953,13 +996,9 @@ def _halves(half: DataFrame) -> DataFrame:
             | ~known_type,
         )
         .withColumn("plain", F.coalesce(F.col("message_type") == MessageType.NORMAL, F.lit(False)))
-        # a delayed plain message's due time (null: not delayed)
+        # a delayed message's due time (null: not delayed)
         .withColumn(
-            "due",
-            F.when(
-                F.col("plain") & (F.col("deliver_at_ms") > F.col("store_ms")),
-                F.col("deliver_at_ms"),
-            ),
+            "due", F.when(F.col("deliver_at_ms") > F.col("store_ms"), F.col("deliver_at_ms"))
         )
         .withColumnRenamed("cv", "half_cv")
     )
@@ -1075,6 +1114,62 @@ def _winners(ops: DataFrame, resolved: DataFrame) -> DataFrame:
     )
 
 
+def _with_delays(op_winners: DataFrame, halves: DataFrame, runs: DataFrame) -> DataFrame:
+    """`op_winners` (`_winners`) with the due time of each COMMIT of a
+    delayed message committed before that time (`w_due`, kind 2: placed by
+    it) and, as for a plain one (`_when_due`), the run that must deliver it;
+    none yet: `w_scheduled`. An operator's COMMIT of a discarded message
+    delivers it at once (docs/protocol.md §4.4)."""
+    due = halves.select("half_offset", F.col("due").alias("_due"))
+    delayed = (
+        (F.col("w_action") == Action.COMMIT)
+        & ~F.col("w_after_discard")
+        & F.coalesce(F.col("_due") > F.col("w_store_ms"), F.lit(False))
+    )
+    w = (
+        op_winners.join(due, "half_offset", "left")
+        .withColumn("w_due", F.when(delayed, F.col("_due")))
+        .withColumn("w_kind", F.when(delayed, 2).otherwise(0))
+        .drop("_due")
+    )
+    return _when_due(w, runs)
+
+
+def _ops_on_scheduled_plain(
+    ops: DataFrame, winners: DataFrame, halves: DataFrame, runs: DataFrame
+) -> DataFrame:
+    """`ops` (`_judged_ops`) with the OPs naming a plain message that an
+    earlier run scheduled and no run before theirs delivered made invalid:
+    the job knows such a message only in its scheduled set, where it does
+    not look OPs up (docs/protocol.md §3.1, "Plain messages and batches",
+    item 7). Plain winners decide their messages whatever OP names them, so
+    only the OPs' own outcome changes."""
+    read_by = (
+        halves.where(F.col("plain") & ~F.col("bad_half"))
+        .join(
+            F.broadcast(runs.select("run_number", "half_lo", "run_half_version")),
+            (F.col("half_cv") > F.col("half_lo")) & (F.col("half_cv") <= F.col("run_half_version")),
+        )
+        .select("half_offset", F.col("run_number").alias("p_read"))
+    )
+    delivered_by = winners.where("w_plain").select(
+        "half_offset", F.col("w_run").alias("p_delivered")
+    )
+    o = ops.join(read_by, "half_offset", "left").join(delivered_by, "half_offset", "left")
+    unknown = (
+        F.col("valid")
+        & (F.col("run_number") > F.col("p_read"))
+        & (F.col("p_delivered").isNull() | (F.col("run_number") <= F.col("p_delivered")))
+    )
+    unknown = F.coalesce(unknown, F.lit(False))
+    return (
+        o.withColumn("valid", F.col("valid") & ~unknown)
+        .withColumn("late", F.col("late") & ~unknown)
+        .withColumn("eligible", F.col("eligible") & ~unknown)
+        .drop("p_read", "p_delivered")
+    )
+
+
 def _with_plain(
     op_winners: DataFrame, halves: DataFrame, runs: DataFrame, resolved: DataFrame
 ) -> DataFrame:
@@ -1147,6 +1242,77 @@ def _when_due(plain: DataFrame, runs: DataFrame) -> DataFrame:
     )
 
 
+def _cancels(
+    cancelled: DataFrame, ops: DataFrame, halves: DataFrame, runs: DataFrame
+) -> tuple[DataFrame, list[DataFrame]]:
+    """(the cancel rows of committed runs that a CANCEL OP justifies, the
+    differences of the others). A cancel row is justified by its ADMIN
+    CANCEL OP naming the message's own transaction and group, for the
+    message's due time, recorded by a run whose watermark was before that
+    time (docs/protocol.md §4, "Cancelling a delayed message")."""
+    c = (
+        cancelled.select(
+            "half_offset", "transaction_id", "op_offset", F.col("due_ms").alias("c_due"), "run_id"
+        )
+        .join(F.broadcast(runs.select("run_id", "run_watermark")), "run_id", "left")
+        .join(
+            ops.where(F.col("action") == CANCEL).select(
+                "op_offset",
+                F.col("half_offset").alias("o_half"),
+                F.col("source").alias("o_source"),
+                F.col("transaction_id").alias("o_txn"),
+                F.col("producer_group").alias("o_group"),
+            ),
+            "op_offset",
+            "left",
+        )
+        .join(
+            halves.select(
+                "half_offset",
+                F.col("due").alias("h_due"),
+                F.col("transaction_id").alias("h_txn"),
+                F.col("producer_group").alias("h_group"),
+            ),
+            "half_offset",
+            "left",
+        )
+    )
+    justified = (
+        F.col("o_half").eqNullSafe(F.col("half_offset"))
+        & (F.col("o_source") == Source.ADMIN)
+        & (F.col("o_txn") == F.col("h_txn"))
+        & (F.col("o_group") == F.col("h_group"))
+        & F.col("c_due").eqNullSafe(F.col("h_due"))
+    )
+    justified = F.coalesce(justified, F.lit(False))
+    in_time = F.coalesce(F.col("c_due") > F.col("run_watermark"), F.lit(False))
+    valid = c.where(justified & in_time & F.col("run_watermark").isNotNull())
+    diffs = [
+        _differences(
+            c,
+            _check(
+                ~justified,
+                "cancel_without_op",
+                CANCELLED.path,
+                "an ADMIN CANCEL OP of the message, for its due time",
+                F.concat(F.lit("op_offset "), F.col("op_offset").cast("string")),
+            ),
+            _check(
+                justified & ~in_time,
+                "cancel_after_due",
+                CANCELLED.path,
+                F.concat(F.lit("a run before "), F.col("c_due").cast("string")),
+                F.concat(
+                    F.lit("recorded at watermark "),
+                    F.coalesce(F.col("run_watermark").cast("string"), F.lit("of no committed run")),
+                ),
+            ),
+        ),
+        _duplicates(cancelled, "duplicate_cancel", CANCELLED.path),
+    ]
+    return valid.select("half_offset").distinct(), diffs
+
+
 def _union(frames: list[DataFrame]) -> DataFrame:
     union = frames[0]
     for df in frames[1:]:
@@ -1167,7 +1333,9 @@ def _counts(
     op_stats = (
         ops.agg(
             F.count("*").alias("ops_judged"),
-            F.sum(F.when(~F.col("valid"), 1).otherwise(0)).alias("invalid_ops"),
+            F.sum(F.when(~F.col("valid") & (F.col("action") != CANCEL), 1).otherwise(0)).alias(
+                "invalid_ops"
+            ),
             F.sum(F.when(F.col("late"), 1).otherwise(0)).alias("late_ops"),
         )
         .first()
@@ -1182,6 +1350,7 @@ def _counts(
         "discarded": fates.get(DISCARDED, 0),
         "pending": fates.get(PENDING_FATE, 0),
         "scheduled": fates.get(SCHEDULED_FATE, 0),
+        "cancelled": fates.get(CANCELLED_FATE, 0),
         "rejected": fates.get(REJECTED_FATE, 0),
         "ops_judged": op_stats["ops_judged"],
         "invalid_ops": op_stats["invalid_ops"] or 0,

@@ -241,6 +241,8 @@ RUNS = TableSchema(
     ),
 )
 
+# Columns added to a job table after its first release are nullable and
+# last, and added to an existing table by the job (`jobs.job_tables`).
 PENDING = TableSchema(
     "_sys/pending",
     _STORED
@@ -249,6 +251,8 @@ PENDING = TableSchema(
         ("checks_undecided", "int", False),  # answers UNKNOWN / ERROR
         ("last_check_ms", "bigint"),
         ("run_number", "bigint", False),
+        # a delayed transactional message's due time, as `_sys/half` has it
+        ("deliver_at_ms", "bigint"),
     ),
 )
 
@@ -283,7 +287,35 @@ SCHEDULED = TableSchema(
         ("commit_version", "bigint", False),
     )
     + _STORED
-    + _cols(("run_number", "bigint", False)),
+    + _cols(
+        ("run_number", "bigint", False),
+        # a transactional message's winning OP source (its `_sys/resolved`
+        # row is written when the COMMIT wins); null: a plain message, whose
+        # resolved row the delivering run writes
+        ("source", "string"),
+    ),
+)
+
+# Cancels of delayed messages (docs/protocol.md §4, "Cancelling a delayed
+# message"): one row per message whose cancel a run applied, appended by
+# that run. Small (operators' actions); looked up by half_offset, and by
+# due_ms for the runs whose window holds it (statistics on both).
+CANCELLED = TableSchema(
+    "_sys/cancelled",
+    _cols(
+        ("half_offset", "bigint", False),
+        ("due_ms", "bigint", False),
+        ("transaction_id", "string", False),
+        ("producer_group", "string", False),
+        ("topic", "string", False),
+        ("queue_id", "int", False),
+        ("op_offset", "bigint", False),
+        ("op_version", "bigint", False),
+        ("op_store_ms", "bigint", False),
+        ("remark", "string"),
+        ("run_id", "string", False),
+        ("run_number", "bigint", False),
+    ),
 )
 
 QUEUES = TableSchema(
@@ -385,6 +417,7 @@ ALL_TABLES = (
     PENDING,
     RESOLVED,
     SCHEDULED,
+    CANCELLED,
     QUEUES,
     REJECTED,
     LEASE,

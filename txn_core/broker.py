@@ -30,7 +30,7 @@ from txn_core.message import Message, delivery_times, validate_group
 from txn_core.offsets import OffsetAllocator, register_epoch
 from txn_core.storage import Storage, options_for, storage_for, use
 from txn_core.tables import ensure_broker_tables
-from txn_core.vocabulary import Action, MessageType, Source
+from txn_core.vocabulary import CANCEL, Action, MessageType, Source
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class Broker:
 
         `message_type` NORMAL stores plain messages: committed by this
         store, never checked (their `check_immunity_s` is not kept).
-        A plain message's delay (`delay_level`, `delay_ms`, `deliver_at_ms`)
+        A message's delay, plain or transactional, (`delay_level`, `delay_ms`, `deliver_at_ms`)
         becomes its `deliver_at_ms` column (store_ms + delay for a relative
         one); one beyond `max_delay_ms` raises MessageValidationError, with
         nothing written.
@@ -163,13 +163,8 @@ class Broker:
         self._check_open()
         n = len(messages)
         plain = message_type == MessageType.NORMAL
-        # a plain message's delay (a transaction's delay level is cleared)
-        times = (
-            delivery_times(
-                messages, self.clock(), self.config.delay_level_ms, self.config.max_delay_ms
-            )
-            if plain
-            else None
+        times = delivery_times(
+            messages, self.clock(), self.config.delay_level_ms, self.config.max_delay_ms
         )
         offsets = self._offsets.take(n)
         ids = new_message_ids(n)
@@ -212,9 +207,10 @@ class Broker:
         remarks = [remarks] * n if remarks is None or isinstance(remarks, str) else list(remarks)
         if len(transaction_ids) != n or len(actions) != n or len(remarks) != n:
             raise ValueError("store_ops needs one transaction id, action and remark per offset")
-        if not set(actions) <= set(Action):
+        if not set(actions) <= {*Action, CANCEL}:
             raise ValueError(
-                f"action must be one of {[str(a) for a in Action]}, got {sorted(set(actions))}"
+                f"action must be one of {[str(a) for a in Action] + [CANCEL]}, "
+                f"got {sorted(set(actions))}"
             )
         if source not in set(Source):
             raise ValueError(f"source must be one of {[str(s) for s in Source]}, got {source!r}")
@@ -259,6 +255,38 @@ class Broker:
             remark,
         )[0]
 
+    def cancel(
+        self,
+        msg_id: str | None = None,
+        *,
+        transaction_id: str | None = None,
+        remark: str | None = None,
+    ) -> int:
+        """Cancel a delayed message's delivery before it is due: an OP with
+        action CANCEL and source ADMIN (RocketMQ 5 cancels a timer message by
+        its handle; RocketMQ 4 cannot).
+
+        The message is named by `msg_id` or `transaction_id` (the same id
+        here; both given, they must agree). The job records the cancel and
+        never delivers the message, whether it is pending, committed and
+        scheduled, or not read yet; a cancel it reads once the message is due
+        (or delivered) is rejected with the reason (docs/protocol.md §4,
+        "Cancelling a delayed message"). Returns the OP's offset; raises
+        LookupError when no half message has that id, ValueError when it is
+        not delayed.
+        """
+        if msg_id is not None and transaction_id is not None and msg_id != transaction_id:
+            raise ValueError(f"msg_id {msg_id!r} and transaction_id {transaction_id!r} differ")
+        wanted = msg_id if msg_id is not None else transaction_id
+        if not isinstance(wanted, str) or not wanted:
+            raise ValueError("give the message's msg_id or transaction_id (a non-empty string)")
+        half = self.find_half(wanted)
+        if half["deliver_at_ms"] is None or half["deliver_at_ms"] <= half["store_ms"]:
+            raise ValueError(f"{wanted!r} is not a delayed message: nothing to cancel")
+        return self.store_ops(
+            [half["half_offset"]], [wanted], half["producer_group"], CANCEL, Source.ADMIN, remark
+        )[0]
+
     def find_half(self, transaction_id: str) -> dict[str, Any]:
         """The half row of `transaction_id` (a full scan: for operators, not hot paths)."""
         # Its own handle: the writer's belongs to the writer thread.
@@ -269,7 +297,14 @@ class Broker:
         rows: list[dict[str, Any]] = (
             table.to_pyarrow_dataset()
             .to_table(
-                columns=["half_offset", "producer_group", "topic", "message_type"],
+                columns=[
+                    "half_offset",
+                    "producer_group",
+                    "topic",
+                    "message_type",
+                    "store_ms",
+                    "deliver_at_ms",
+                ],
                 filter=pc.field("transaction_id") == transaction_id,
             )
             .to_pylist()
@@ -334,7 +369,7 @@ def new_message_ids(n: int) -> list[str]:
 
 
 class StoredMessages(Sequence[Message]):
-    """The messages of one store_halves call as stored: ids filled in, delay cleared.
+    """The messages of one store_halves call as stored: ids filled in.
 
     Each item is a copy, not the caller's object (one Message may be sent many
     times), made when first asked for: a listener deciding a 10,000-message
@@ -383,8 +418,7 @@ class StoredMessages(Sequence[Message]):
                 msg_id=self._ids[index],
                 half_offset=self.half_offsets[index],
                 producer_group=self._group,
-                delay_level=None,
-            )  # RocketMQ clears delay levels of transactional messages
+            )
             self._copies[index] = copy
         return copy
 

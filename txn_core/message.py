@@ -60,15 +60,15 @@ class Message:
     check_immunity_s: int | None = None
     #: RocketMQ 4's delay level, 1 and up (`delay_levels`; above the last:
     #: the last); at most one of delay_level, delay_ms and deliver_at_ms.
-    #: A plain send delays the message; a transaction clears it (as
-    #: RocketMQ); a batch refuses it.
+    #: A single send, plain or transactional, delays the message; a batch
+    #: refuses it.
     delay_level: int | None = None
     #: RocketMQ 5's timer, relative: deliver this many ms after the store
-    #: time (plain sends only; at most `max_delay_ms`)
+    #: time (at most `max_delay_ms`)
     delay_ms: int | None = None
     #: RocketMQ 5's timer, absolute: deliver at this epoch ms of the broker
-    #: core's clock (plain sends only; at most `max_delay_ms` ahead; in the
-    #: past: delivered at once)
+    #: core's clock (at most `max_delay_ms` ahead; in the past: delivered at
+    #: once)
     deliver_at_ms: int | None = None
     transaction_id: str | None = None
     msg_id: str | None = None
@@ -314,18 +314,14 @@ def validate_plain(msg: object, max_body_bytes: int) -> Message:
 
 
 def validate_transactional(msg: object, max_body_bytes: int) -> Message:
-    """A single transactional message: as `validate_message`; a delay level
-    is cleared when stored (as RocketMQ), a timer (`delay_ms`,
-    `deliver_at_ms`) refused: delayed transactional messages are not
-    delivered at their time yet, and a timer silently dropped would
-    deliver early."""
-    message = validate_message(msg, max_body_bytes)
-    for name in ("delay_ms", "deliver_at_ms"):
-        if getattr(message, name) is not None:
-            raise MessageValidationError(
-                name, "a transactional message cannot carry a timer yet; send it plain"
-            )
-    return message
+    """A single transactional message: every field as `validate_message`,
+    its delay (`delay_level`, `delay_ms` or `deliver_at_ms`) included: unlike
+    RocketMQ, which clears it, the job delivers a delayed transactional
+    message at its time if it is committed by then, at once if committed
+    later, never if rolled back or discarded (docs/protocol.md §3.1, "Delayed
+    messages"). The limit `max_delay_ms` is checked when stored, as for a
+    plain send."""
+    return validate_message(msg, max_body_bytes)
 
 
 @dataclass

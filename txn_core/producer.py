@@ -118,7 +118,10 @@ class Producer:
 class TransactionProducer(Producer):
     """Sends messages in transactions for one producer group; as a
     `Producer`, it also sends plain messages (`send`, `send_batch`), as
-    RocketMQ's TransactionMQProducer extends DefaultMQProducer.
+    RocketMQ's TransactionMQProducer extends DefaultMQProducer. A
+    transactional message may be delayed, as a plain one (RocketMQ drops
+    the delay): delivered at its time if committed by then, at once if
+    committed later, never if rolled back or discarded.
 
     >>> producer = TransactionProducer(broker, group="order_group",
     ...                                listener=OrderListener())        # doctest: +SKIP
@@ -141,6 +144,12 @@ class TransactionProducer(Producer):
     def send_message_in_transaction(self, msg: Message, arg: Any = None) -> SendResult:
         """Store the half message, run the local transaction, report its outcome.
 
+        A delay (`delay_level`, `delay_ms` or `deliver_at_ms`, at most one,
+        within `max_delay_ms`) is kept, unlike RocketMQ: the job delivers
+        the message at its time if it is committed by then (at once if
+        committed later), never if it is rolled back or discarded; checks
+        go on as for any pending message (docs/protocol.md §3.1, "Delayed
+        messages").
         Raises MessageValidationError (nothing written) for a bad message,
         NoListenerError without a listener, PersistError when the half row
         could not be stored (the local transaction is then not run).

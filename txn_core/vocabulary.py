@@ -12,6 +12,7 @@ import re
 
 __all__ = [
     "Action",
+    "CANCEL",
     "CheckAnswer",
     "ConsumeResult",
     "Decision",
@@ -51,6 +52,11 @@ class Action(enum.StrEnum):
     ROLLBACK = "ROLLBACK"
 
 
+#: the action of an ADMIN OP that cancels a delayed message's delivery
+#: (`Broker.cancel`): not a decision of its transaction, so not an `Action`
+CANCEL = "CANCEL"
+
+
 class Source(enum.StrEnum):
     """Who wrote an OP row: the producer after its local transaction, a
     producer answering a back-check, or an operator (`Broker.resolve`)."""
@@ -75,6 +81,8 @@ class OpOutcome(enum.StrEnum):
     its message was discarded is late."""
 
     WIN = "WIN"
+    #: a CANCEL OP naming a known message, judged apart (`jobs.cancels`)
+    CANCEL = "CANCEL"
     DUPLICATE = "DUPLICATE"
     CONFLICT = "CONFLICT"
     INVALID = "INVALID"

@@ -4,7 +4,16 @@
 import pytest
 from deltalake import DeltaTable
 
-from txn_core import Broker, Config, Message, MessageValidationError, Producer
+from txn_core import (
+    Broker,
+    Config,
+    LocalTransactionState,
+    Message,
+    MessageValidationError,
+    Producer,
+    TransactionListener,
+    TransactionProducer,
+)
 from txn_core.config import ConfigError, load_config
 
 NOW = 1_700_000_000_000
@@ -128,3 +137,60 @@ def test_sends_sharing_a_commit_each_get_store_ms_plus_their_own_delay(warehouse
         i = int(r["body"])
         expected = r["store_ms"] + i * 100 if i % 2 else None
         assert r["deliver_at_ms"] == expected, r
+
+
+class _Commit(TransactionListener):
+    def execute_local_transaction(self, msg, arg):
+        return LocalTransactionState.COMMIT_MESSAGE
+
+    def check_local_transaction(self, msg):
+        return LocalTransactionState.UNKNOWN
+
+
+def test_a_transactional_message_keeps_its_delay_as_a_plain_one_does(broker, warehouse):
+    producer = TransactionProducer(broker, "order_group", listener=_Commit())
+    sent = {
+        "level 1": producer.send_message_in_transaction(
+            Message(topic="ORDER", body=b"a", delay_level=1)
+        ),
+        "relative": producer.send_message_in_transaction(
+            Message(topic="ORDER", body=b"b", delay_ms=90_000)
+        ),
+        "absolute": producer.send_message_in_transaction(
+            Message(topic="ORDER", body=b"c", deliver_at_ms=NOW + 7)
+        ),
+    }
+    by_id = {r["msg_id"]: r for r in half_rows(warehouse)}
+    assert {n: by_id[r.msg_id]["deliver_at_ms"] for n, r in sent.items()} == {
+        "level 1": NOW + 1_000,
+        "relative": NOW + 90_000,
+        "absolute": NOW + 7,
+    }
+    assert {r["message_type"] for r in by_id.values()} == {"TRANSACTION"}
+
+
+@pytest.mark.parametrize(
+    "msg, field",
+    [
+        (Message(topic="ORDER", body=b"x", delay_level=0), "delay_level"),
+        (Message(topic="ORDER", body=b"x", delay_ms=-1), "delay_ms"),
+        (Message(topic="ORDER", body=b"x", delay_ms=3 * 86_400_000 + 1), "delay_ms"),
+        (
+            Message(topic="ORDER", body=b"x", deliver_at_ms=NOW + 3 * 86_400_000 + 1),
+            "deliver_at_ms",
+        ),
+        (Message(topic="ORDER", body=b"x", delay_level=2, deliver_at_ms=NOW), "deliver_at_ms"),
+    ],
+)
+def test_a_transactional_send_refuses_a_bad_delay_before_the_local_transaction(
+    broker, warehouse, msg, field
+):
+    listener = _Commit()
+    ran = []
+    listener.execute_local_transaction = lambda m, a: ran.append(m)  # type: ignore[method-assign]
+    with pytest.raises(MessageValidationError) as err:
+        TransactionProducer(broker, "order_group", listener=listener).send_message_in_transaction(
+            msg
+        )
+    assert err.value.field == field
+    assert half_rows(warehouse) == [] and ran == []

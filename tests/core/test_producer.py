@@ -172,11 +172,13 @@ def test_op_persist_failure_is_reported_not_raised(producer, warehouse):
     assert len(rows(warehouse, "_sys/half")) == 1  # the back-check will settle it
 
 
-def test_delay_level_is_cleared_for_a_single_send(producer, listener):
+def test_a_single_transactional_send_keeps_its_delay_level(producer, listener, warehouse):
     result = producer.send_message_in_transaction(
         Message(topic="ORDER", body=b"x", delay_level=3), COMMIT
     )
-    assert result.op_written and listener.executed[0].delay_level is None
+    assert result.op_written and listener.executed[0].delay_level == 3
+    (half,) = rows(warehouse, "_sys/half")
+    assert half["deliver_at_ms"] == half["store_ms"] + 10_000  # level 3: 10 s
 
 
 def test_batch_is_one_half_commit_one_decision_one_op_commit(producer, listener, warehouse):

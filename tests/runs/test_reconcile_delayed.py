@@ -16,8 +16,16 @@ from jobs.reconcile import reconcile, recover
 from jobs.status import status
 from jobs.verify import verify
 from schemas import table_path, topic_path
-from schemas.tables import SCHEDULED
-from txn_core import Broker, Config, Message, Producer
+from schemas.tables import CHECK_REQUESTS, RESOLVED, SCHEDULED
+from txn_core import (
+    Broker,
+    Config,
+    LocalTransactionState,
+    Message,
+    Producer,
+    TransactionListener,
+    TransactionProducer,
+)
 
 import factories as fx
 
@@ -159,4 +167,167 @@ def test_a_run_killed_at_a_scheduling_or_delivering_step_redoes_to_the_same_tabl
     for crash in ({1: "after:_sys/scheduled"}, {2: "after:topics/ORDER"}):
         wh = str(tmp_path / crash[min(crash)].replace("/", "_").replace(":", "_"))
         _two_runs(spark, wh, crash, monkeypatch)
+        assert fx.job_outputs(wh) == expected, crash
+
+
+class _Decide(TransactionListener):
+    """Decides each message by its body: b"commit…", b"rollback…", else UNKNOWN."""
+
+    def execute_local_transaction(self, msg, arg):
+        if msg.body.startswith(b"commit"):
+            return LocalTransactionState.COMMIT_MESSAGE
+        if msg.body.startswith(b"rollback"):
+            return LocalTransactionState.ROLLBACK_MESSAGE
+        return LocalTransactionState.UNKNOWN
+
+    def check_local_transaction(self, msg):
+        return LocalTransactionState.UNKNOWN
+
+
+def _requests(warehouse: str) -> list[int]:
+    """The check_times of every check request, in order."""
+    path = table_path(warehouse, CHECK_REQUESTS)
+    if not DeltaTable.is_deltatable(path):
+        return []
+    return sorted(r["check_times"] for r in DeltaTable(path).to_pyarrow_table().to_pylist())
+
+
+def test_a_delayed_transactional_message_is_delivered_at_its_time_iff_committed(spark, warehouse):
+    """Committed before its time: waits for it; committed after it: at once;
+    rolled back or discarded: never. A pending one is checked meanwhile."""
+    # one check per message, then a discard (check_budget sent: unanswered checks count)
+    cfg = {"warehouse": warehouse, "check_max": 1, "check_budget": "sent"}
+    clock = Clock(T0)
+    with Broker.open(Config(warehouse=warehouse), clock=clock) as broker:
+        producer = TransactionProducer(broker, "order_group", listener=_Decide())
+
+        def send(body: bytes, **delay) -> str:
+            msg = Message(topic="ORDER", body=body, **delay)
+            return producer.send_message_in_transaction(msg).transaction_id
+
+        send(b"commit early", delay_ms=60_000)  # committed at T0, due T0+60s
+        late = send(b"unknown then commit", delay_ms=10_000)  # due T0+10s
+        send(b"rollback", delay_ms=5_000)
+        send(b"unknown forever", delay_ms=120_000)  # checked, then discarded
+        producer.send(Message(topic="ORDER", body=b"plain now"))
+
+        first = reconcile(spark, cfg, now_ms=T0)
+        assert (first.committed, first.rolled_back, first.scheduled) == (1, 1, 1)
+        assert (first.pending_after, first.next_scheduled_ms) == (2, T0 + 60_000)
+        assert [b for b, _, _ in _queue(warehouse)] == [b"plain now"]
+
+        clock.now = T0 + 20_000  # after "unknown then commit" was due: delivered at once
+        broker.resolve(late, commit=True, remark="decided after its time")
+        second = reconcile(spark, cfg, now_ms=T0 + 20_000)
+    assert (second.committed, second.scheduled, second.check_requests) == (1, 0, 1)
+    assert [b for b, _, _ in _queue(warehouse)] == [b"plain now", b"unknown then commit"]
+    assert _requests(warehouse) == [1]  # the delay does not hold back the check
+    report = verify(spark, cfg)
+    assert report.ok, report.render()
+    assert report.counts["scheduled"] == 1 and report.counts["pending"] == 1
+
+    before = reconcile(spark, cfg, now_ms=T0 + 59_999)
+    assert before.committed == 0 and before.discarded_max_checks == 1
+    due = reconcile(spark, cfg, now_ms=T0 + 60_000)
+    assert (due.delivered_scheduled, due.committed, due.scheduled_after) == (1, 1, 0)
+    queue = _queue(warehouse)
+    assert [b for b, _, _ in queue] == [b"plain now", b"unknown then commit", b"commit early"]
+    assert queue[-1][2] == T0 + 60_000
+    # far past every due time: the rolled-back and the discarded one never come
+    last = reconcile(spark, cfg, now_ms=T0 + 400_000)
+    assert last.committed == 0 and len(_queue(warehouse)) == 3
+    report = verify(spark, cfg)
+    assert report.ok, report.render()
+    counts = report.counts
+    assert (counts["delivered"], counts["rolled_back"], counts["discarded"]) == (3, 1, 1)
+    assert (counts["scheduled"], counts["pending"]) == (0, 0)
+    resolved = DeltaTable(table_path(warehouse, RESOLVED)).to_pyarrow_table().to_pylist()
+    # the early COMMIT's resolved row is its run's, not the delivering one's
+    by_run = sorted((r["run_id"][:12], r["action"], r["source"]) for r in resolved)
+    assert by_run == [
+        ("run-00000001", "COMMIT", "NORMAL"),
+        ("run-00000001", "COMMIT", "PRODUCER"),
+        ("run-00000001", "ROLLBACK", "PRODUCER"),
+        ("run-00000002", "COMMIT", "ADMIN"),
+    ]
+
+    # the audit catches a transactional message delivered before its time
+    path = topic_path(warehouse, "ORDER")
+    rows = DeltaTable(path).to_pyarrow_table()
+    early = pc.if_else(pc.equal(rows["body"], b"commit early"), T0 + 59_999, rows["delivered_ms"])
+    rows = rows.set_column(rows.schema.get_field_index("delivered_ms"), "delivered_ms", early)
+    write_deltalake(path, rows, mode="overwrite")
+    assert verify(spark, cfg).differences_by_kind == {"delivered_early": 1}
+
+
+def test_a_transactional_commit_due_within_the_run_is_placed_by_its_time(spark, warehouse):
+    """Committed before its time, read by a run already past it: delivered by
+    that run, after the messages due or committed before that time."""
+    cfg = {"warehouse": warehouse}
+    t = T0
+    delayed = fx.half(11, store_ms=t, deliver_at_ms=t + 5_000)
+    early = fx.half(12, store_ms=t + 1_000)
+    later = fx.half(13, store_ms=t + 7_000)
+    fx.write_halves(warehouse, delayed, early, later)
+    fx.write_ops(
+        warehouse,
+        fx.op(delayed, store_ms=t + 100),  # committed first, due at 5 s
+        fx.op(early, store_ms=t + 1_001),
+        fx.op(later, store_ms=t + 7_001),
+    )
+    summary = reconcile(spark, cfg, now_ms=t + 10_000)
+    assert (summary.committed, summary.scheduled) == (3, 0)
+    assert [b for b, _, _ in _queue(warehouse)] == [b"body-12", b"body-11", b"body-13"]
+    report = verify(spark, cfg)
+    assert report.ok, report.render()
+
+
+def _txn_runs(spark, warehouse: str, crash: dict[int, str], monkeypatch) -> None:
+    """Run 1 reads two delayed transactional messages committed before their
+    time (one scheduled, one due within the run) and a rollback; run 2 delivers
+    the scheduled one. `crash`: run number -> the step at which it dies."""
+    cfg = {"warehouse": warehouse}
+    t = T0
+    halves = [
+        fx.half(21, store_ms=t - 10, deliver_at_ms=t + 1_000),
+        fx.half(22, store_ms=t - 10, deliver_at_ms=t - 1),  # due before the run
+        fx.half(23, store_ms=t - 10, deliver_at_ms=t + 500),
+        fx.half(24, store_ms=t - 10),
+    ]
+    fx.write_halves(warehouse, *halves)
+    fx.write_ops(
+        warehouse,
+        fx.op(halves[0], op_offset=31, store_ms=t - 5),
+        fx.op(halves[1], op_offset=32, store_ms=t - 5),
+        fx.op(halves[2], "ROLLBACK", op_offset=33, store_ms=t - 5),
+        fx.op(halves[3], op_offset=34, store_ms=t - 5),
+    )
+    for number, now in ((1, t), (2, t + 2_000)):
+        if number in crash:
+            monkeypatch.setenv("TXN_FAULT_AT", crash[number])
+            with pytest.raises(InjectedFault):
+                reconcile(spark, cfg, now_ms=now)
+            monkeypatch.delenv("TXN_FAULT_AT")
+            assert recover(spark, cfg, clock=lambda: time.time() + 3600) is not None
+        else:
+            reconcile(spark, cfg, now_ms=now)
+
+
+def test_a_run_killed_while_scheduling_transactional_messages_redoes_to_the_same_tables(
+    spark, tmp_path, monkeypatch
+):
+    clean = str(tmp_path / "clean")
+    _txn_runs(spark, clean, {}, monkeypatch)
+    assert [b for b, _, _ in _queue(clean)] == [b"body-24", b"body-22", b"body-21"]
+    report = verify(spark, {"warehouse": clean})
+    assert report.ok, report.render()
+    expected = fx.job_outputs(clean)
+    for crash in (
+        {1: "after:_sys/scheduled"},
+        {1: "after:_sys/resolved"},
+        {1: "after:topics/ORDER"},
+        {2: "after:topics/ORDER"},
+    ):
+        wh = str(tmp_path / f"{min(crash)}_{crash[min(crash)]}".replace("/", "_").replace(":", "_"))
+        _txn_runs(spark, wh, crash, monkeypatch)
         assert fx.job_outputs(wh) == expected, crash

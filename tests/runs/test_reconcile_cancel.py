@@ -1,0 +1,152 @@
+"""Cancelling delayed messages (docs/protocol.md §4, "Cancelling a delayed
+message") through the real broker core and job: a cancel read before the
+due time withdraws the delivery of a message pending, committed and
+scheduled, or not read yet; one read later, or naming a message unknown or
+not delayed, is rejected with its reason; `status` and `verify` see them."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable, write_deltalake
+
+from jobs.reconcile import reconcile
+from jobs.status import status
+from jobs.verify import verify
+from schemas import table_path, topic_path
+from schemas.tables import CANCELLED, REJECTED
+from txn_core import (
+    Broker,
+    Config,
+    LocalTransactionState,
+    Message,
+    Producer,
+    TransactionListener,
+    TransactionProducer,
+)
+from txn_core.vocabulary import CANCEL
+
+T0 = 1_700_000_000_000
+
+
+class Clock:
+    def __init__(self, now: int) -> None:
+        self.now = now
+
+    def __call__(self) -> int:
+        return self.now
+
+
+class _ByBody(TransactionListener):
+    def execute_local_transaction(self, msg, arg):
+        if msg.body.startswith(b"commit"):
+            return LocalTransactionState.COMMIT_MESSAGE
+        return LocalTransactionState.UNKNOWN
+
+    def check_local_transaction(self, msg):
+        return LocalTransactionState.UNKNOWN
+
+
+def _bodies(warehouse: str) -> list[bytes]:
+    path = topic_path(warehouse, "ORDER")
+    rows = DeltaTable(path).to_pyarrow_table().to_pylist()
+    return [r["body"] for r in sorted(rows, key=lambda r: r["queue_offset"])]
+
+
+def _rejected_ops(warehouse: str) -> dict[int, str]:
+    rows = DeltaTable(table_path(warehouse, REJECTED)).to_pyarrow_table().to_pylist()
+    return {r["row_offset"]: r["reason"] for r in rows if r["source_table"] == "_sys/op"}
+
+
+def test_cancelled_delayed_messages_are_never_delivered_and_late_cancels_are_rejected(
+    spark, warehouse
+):
+    cfg = {"warehouse": warehouse}
+    clock = Clock(T0)
+    with Broker.open(Config(warehouse=warehouse), clock=clock) as broker:
+        plain = Producer(broker, "order_group")
+        txn = TransactionProducer(broker, "order_group", listener=_ByBody())
+        scheduled_plain = plain.send(Message(topic="ORDER", body=b"plain 60s", delay_ms=60_000))
+        pending = txn.send_message_in_transaction(
+            Message(topic="ORDER", body=b"pending 60s", delay_ms=60_000)
+        )
+        committed = txn.send_message_in_transaction(
+            Message(topic="ORDER", body=b"commit 60s", delay_ms=60_000)
+        )
+        at_once = plain.send(Message(topic="ORDER", body=b"plain now"))
+        soon = plain.send(Message(topic="ORDER", body=b"plain 10s", delay_ms=10_000))
+        first = reconcile(spark, cfg, now_ms=T0)
+        assert (first.scheduled, first.pending_after) == (3, 1)
+
+        clock.now = T0 + 5_000
+        unread = plain.send(Message(topic="ORDER", body=b"plain 30s", delay_ms=30_000))
+        ops = {
+            "scheduled plain": broker.cancel(scheduled_plain.msg_id, remark="order paid"),
+            "again": broker.cancel(scheduled_plain.msg_id),
+            "pending": broker.cancel(transaction_id=pending.transaction_id),
+            "committed": broker.cancel(committed.msg_id),
+            "unread": broker.cancel(unread.msg_id),
+            # written by other means: the broker refuses both (below)
+            "not delayed": broker.store_ops(
+                [at_once.half_offset], [at_once.msg_id], "order_group", CANCEL, "ADMIN"
+            )[0],
+            "unknown": broker.store_ops([12345], ["no-such-id"], "order_group", CANCEL, "ADMIN")[0],
+            # a decision naming a plain message only the scheduled set holds: unknown
+            "commit of scheduled plain": broker.store_ops(
+                [scheduled_plain.half_offset],
+                [scheduled_plain.msg_id],
+                "order_group",
+                "COMMIT",
+                "ADMIN",
+            )[0],
+        }
+        with pytest.raises(ValueError, match="not a delayed message"):
+            broker.cancel(at_once.msg_id)
+        with pytest.raises(LookupError):
+            broker.cancel("no-such-id")
+        second = reconcile(spark, cfg, now_ms=T0 + 20_000)  # delivers "plain 10s"
+        assert (second.cancelled, second.duplicate_ops) == (4, 1)
+        assert (second.invalid_ops, second.late_ops) == (2, 1)
+        assert _bodies(warehouse) == [b"plain now", b"plain 10s"]
+
+        clock.now = T0 + 25_000
+        ops["delivered"] = broker.cancel(soon.msg_id)  # read after its time
+        broker.resolve(pending.transaction_id, commit=True)  # committed before its time
+        third = reconcile(spark, cfg, now_ms=T0 + 30_000)
+    assert (third.cancelled, third.late_ops, third.scheduled) == (0, 1, 1)
+    assert _rejected_ops(warehouse) == {
+        ops["not delayed"]: "LATE: message already delivered",
+        ops["unknown"]: "INVALID: unknown half_offset",
+        ops["commit of scheduled plain"]: "INVALID: unknown half_offset",
+        ops["delivered"]: "LATE: message already delivered",
+    }
+    shown = status(spark, cfg, now_ms=T0 + 30_000)
+    assert (shown.scheduled, shown.cancelled) == (0, 4)
+
+    # every cancelled message falls due: none is delivered
+    due = reconcile(spark, cfg, now_ms=T0 + 70_000)
+    assert (due.delivered_scheduled, due.committed, due.scheduled_after) == (0, 0, 0)
+    assert _bodies(warehouse) == [b"plain now", b"plain 10s"]
+    cancelled = DeltaTable(table_path(warehouse, CANCELLED)).to_pyarrow_table().to_pylist()
+    assert sorted(r["op_offset"] for r in cancelled) == sorted(
+        ops[k] for k in ("scheduled plain", "pending", "committed", "unread")
+    )
+    report = verify(spark, cfg)
+    assert report.ok, report.render()
+    assert (report.counts["cancelled"], report.counts["delivered"]) == (4, 2)
+    assert report.counts["invalid_ops"] == 1  # the COMMIT; cancels are counted apart
+
+    # the audit catches a cancelled message delivered all the same
+    path = topic_path(warehouse, "ORDER")
+    rows = DeltaTable(path).to_pyarrow_table()
+    extra = rows.filter(pa.compute.equal(rows["body"], b"plain 10s")).to_pylist()[0]
+    extra.update(
+        body=b"plain 60s",
+        msg_id=scheduled_plain.msg_id,
+        transaction_id=scheduled_plain.msg_id,
+        half_offset=scheduled_plain.half_offset,
+        queue_offset=2,
+        delivered_ms=T0 + 70_000,
+    )
+    write_deltalake(path, pa.Table.from_pylist([extra], schema=rows.schema), mode="append")
+    assert verify(spark, cfg).differences_by_kind.get("delivered_cancelled") == 1
