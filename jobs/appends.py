@@ -195,7 +195,10 @@ def plain_table(table) -> bool:
 #: a file per message, and Spark lists them and opens each in turn, where
 #: one pyarrow scan reads them all (docs/performance.md)
 DRIVER_READ_MIN_FILES = 64
-DRIVER_READ_MAX_BYTES = 64 * 1024 * 1024
+#: what the driver may hold of them: past it, a run's cost per file jumps
+#: several-fold, so this is set to a backlog of minutes under a steady load
+#: (2 KB messages at 1,000/s), not seconds, within the driver's 2 GB
+DRIVER_READ_MAX_BYTES = 256 * 1024 * 1024
 
 
 def read_appended(
