@@ -246,7 +246,8 @@ def measure(rate: float, args, cron: bool = False) -> dict:
     producer.close()
     broker.close()
     rolled_back = produced.rolled_back | warm.rolled_back
-    # the job's CPU is taken from the end of the warm-up: the timed messages' share
+    # the job's CPU from the end of the warm-up, per timed message delivered (an
+    # overestimate when the warm-up left a backlog: the job delivered that too)
     delivered = sum(len(v) for k, v in consumed.at.items() if not k.startswith("w"))
     return {
         "rate": rate,
