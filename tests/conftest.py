@@ -39,12 +39,13 @@ def pytest_collection_modifyitems(items):
 def spark():
     from jobs.session import build_spark
 
-    # One JVM runs every test (~175, many full runs and audits): more heap
-    # than a single run's default 2g needs.
+    # One JVM runs every test (~250 Spark tests, many full runs and audits):
+    # more heap than a single run's default 2g needs; 3g ran out once the
+    # delayed and cancel tests came (Java heap space in the tests after them).
     session = build_spark(
         "txn-tests",
         master="local[2]",
-        conf={"spark.sql.shuffle.partitions": "2", "spark.driver.memory": "3g"},
+        conf={"spark.sql.shuffle.partitions": "2", "spark.driver.memory": "4g"},
     )
     yield session
     session.stop()
