@@ -189,6 +189,17 @@ def wait_until(condition: Callable[[], bool], what: str, members: Iterable[Membe
         time.sleep(0.02)
 
 
+def share_then_stop(survivors) -> None:
+    """The two survivors (m0, m2) share the queues; then both stop. The
+    shares are checked first: the last to stop takes all, the other left."""
+    for member in survivors:
+        assert member.calls()[-1]["held"] == allocate_queues(QUEUES, ["m0", "m2"], member.name)
+    for member in survivors:
+        member.stop()
+    for member in survivors:
+        member.wait_closed()
+
+
 def deliver_all(warehouse: str, offsets: range) -> None:
     """One topic commit: `offsets` of every queue."""
     deliver(warehouse, TOPIC, **{f"q{q}": offsets for q in QUEUES})
@@ -347,12 +358,7 @@ def test_a_member_process_killed_with_sigkill_loses_its_queues_after_the_timeout
     assert len(victim.got()) < 3 * per_queue  # it died with work left in its queues
     wait_until(all_committed(members, per_queue), "everything committed", survivors)
     assert read_committed_offsets(warehouse, GROUP, TOPIC) == {q: per_queue for q in QUEUES}
-    for member in survivors:  # the two survivors share the queues
-        assert member.calls()[-1]["held"] == allocate_queues(QUEUES, ["m0", "m2"], member.name)
-    for member in survivors:  # (the last to stop takes all: the other left)
-        member.stop()
-    for member in survivors:
-        member.wait_closed()
+    share_then_stop(survivors)
 
     counts = consumed(members)
     assert sorted(counts) == everything(per_queue)  # every message at least once
@@ -438,12 +444,7 @@ def test_a_member_process_that_closes_hands_its_queues_over_at_the_next_heartbea
     deliver_all(warehouse, range(20, 30))
     wait_until(all_committed(members, 30), "everything committed", survivors)
     assert read_committed_offsets(warehouse, GROUP, TOPIC) == {q: 30 for q in QUEUES}
-    for member in survivors:  # the two survivors share the queues
-        assert member.calls()[-1]["held"] == allocate_queues(QUEUES, ["m0", "m2"], member.name)
-    for member in survivors:  # (the last to stop takes all: the other left)
-        member.stop()
-    for member in survivors:
-        member.wait_closed()
+    share_then_stop(survivors)
 
     counts = consumed(members)
     assert sorted(counts) == everything(30)
