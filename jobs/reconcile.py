@@ -3,7 +3,7 @@
 
     spark-submit jobs/reconcile.py run --conf conf/reconcile.toml [--now-ms N] [--dry-run]
     txn-reconcile run --every 2s [--max-runs N]     # back to back in one session
-    python -m jobs status|verify|resolve ...
+    python -m jobs status|verify|resolve|cancel ...
     from jobs.reconcile import reconcile; reconcile(spark, config, now_ms=None)
     from jobs.reconcile import reconcile_forever; reconcile_forever(spark, config, every_s=2)
 
@@ -32,7 +32,7 @@ from jobs.lease import EXIT_LEASE_HELD, Lease, LeaseHeld
 from jobs.run import RunSummary, idle_ahead, reconcile, recover
 from jobs.session import print_error, use_warehouse
 from txn_core.config import Config, ConfigError, load_config
-from txn_core.vocabulary import Action, Source
+from txn_core.vocabulary import CANCEL, Action, Source
 
 __all__ = [
     "RunSummary",
@@ -130,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     decision.add_argument("--commit", action="store_true")
     decision.add_argument("--rollback", action="store_true")
     resolve.add_argument("--remark")
+    cancel = sub.add_parser(
+        "cancel",
+        parents=[common],
+        help="withdraw a delayed message before it is due (an ADMIN OP with action CANCEL)",
+    )
+    cancel.add_argument("--msg-id", required=True, help="the message's msg_id (its transaction_id)")
+    cancel.add_argument("--remark")
     return parser
 
 
@@ -267,7 +274,36 @@ def _cmd_resolve(args, cfg: Config) -> int:
     return EXIT_OK
 
 
-_COMMANDS = {"run": _cmd_run, "status": _cmd_status, "verify": _cmd_verify, "resolve": _cmd_resolve}
+def _cmd_cancel(args, cfg: Config) -> int:
+    from txn_core import Broker
+
+    broker = Broker.open(cfg)
+    try:
+        op_offset = broker.cancel(args.msg_id, remark=args.remark)
+    finally:
+        broker.close()
+    print(
+        json.dumps(
+            {
+                "msg_id": args.msg_id,
+                "action": CANCEL,
+                "source": Source.ADMIN,
+                "op_offset": op_offset,
+                "remark": args.remark,
+            }
+        ),
+        flush=True,
+    )
+    return EXIT_OK
+
+
+_COMMANDS = {
+    "run": _cmd_run,
+    "status": _cmd_status,
+    "verify": _cmd_verify,
+    "resolve": _cmd_resolve,
+    "cancel": _cmd_cancel,
+}
 
 
 def cli() -> None:

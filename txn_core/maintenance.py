@@ -6,8 +6,10 @@ invisible to the change data feed the job reads), writes a checkpoint, drops
 expired log entries and those behind the job's cursor (`txn_core.log_trim`),
 vacuums unreferenced files, and — the only deletion of half or OP rows
 anywhere (I5) — purges messages that the job has resolved
-(COMMIT or ROLLBACK in `_sys/resolved`) and that are older than
-`reserved_hours`. Run it from any one producer process, e.g. hourly.
+(COMMIT or ROLLBACK in `_sys/resolved`), and plain delayed messages whose
+delivery it cancelled (`_sys/cancelled`: never delivered, so never
+resolved), older than `reserved_hours`. Run it from any one producer
+process, e.g. hourly.
 
 `maintain_consumer_tables` (which `maintain` runs too) keeps the consumer
 groups' two append-only tables small: it expires `_sys/consumer_members`
@@ -22,15 +24,18 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
 from schemas import CHECK_ANSWERS, CONSUMER_MEMBERS, CONSUMER_OFFSETS, HALF, OP, RESOLVED
+from schemas.tables import CANCELLED
 from txn_core.broker import Broker
 from txn_core.consumer_group import MEMBER_TIMEOUT_MAX_S
 from txn_core.log_trim import job_cursor, trim_log
 from txn_core.tables import open_existing
+from txn_core.vocabulary import MessageType
 
 log = logging.getLogger(__name__)
 
@@ -107,35 +112,67 @@ def maintain(
 
 
 def purge_resolved(broker: Broker, now_ms: int) -> tuple[int, int]:
-    """Delete half and OP rows of resolved messages stored before the retention window.
+    """Delete half and OP rows of finished messages stored before the retention window.
 
-    Only messages the job has written to `_sys/resolved` qualify: a pending or
-    discarded message keeps its rows. Returns (halves deleted, OPs deleted).
+    Finished: written to `_sys/resolved` by the job, or a plain message whose
+    delivery the job cancelled (`_sys/cancelled`) and whose due time is
+    before the window too. A pending or discarded message keeps its rows,
+    and so does a cancelled transactional one, whose decision still resolves
+    it. Returns (halves deleted, OPs deleted).
     """
-    resolved_table = open_existing(broker.warehouse, RESOLVED, broker.storage_options)
-    if resolved_table is None:
-        return 0, 0
     cutoff = now_ms - broker.config.reserved_hours * 3_600_000
-    resolved = resolved_table.to_pyarrow_dataset().to_table(columns=["half_offset"])
     halves = broker.table(HALF.path)
     halves.update_incremental()
+    finished = _finished_offsets(broker, halves, cutoff)
+    if finished is None:
+        return 0, 0
     old = halves.to_pyarrow_dataset().to_table(
         columns=["half_offset"], filter=pc.field("store_ms") < cutoff
     )
-    doomed = pc.filter(
-        old["half_offset"], pc.is_in(old["half_offset"], resolved["half_offset"])
-    ).to_pylist()
+    doomed = pc.filter(old["half_offset"], pc.is_in(old["half_offset"], finished)).to_pylist()
     if not doomed:
         return 0, 0
     purged_halves = _delete_offsets(halves, "half_offset", doomed)
     purged_ops = _delete_offsets(broker.table(OP.path), "half_offset", doomed)
     log.info(
-        "purged %d resolved half rows and %d OP rows stored before %d",
+        "purged %d finished half rows and %d OP rows stored before %d",
         purged_halves,
         purged_ops,
         cutoff,
     )
     return purged_halves, purged_ops
+
+
+def _finished_offsets(broker: Broker, halves: DeltaTable, cutoff: int) -> pa.Array | None:
+    """The half offsets `purge_resolved` may delete (before its store-time
+    filter); None when the job has written neither table yet."""
+    resolved = open_existing(broker.warehouse, RESOLVED, broker.storage_options)
+    cancelled = open_existing(broker.warehouse, CANCELLED, broker.storage_options)
+    if resolved is None and cancelled is None:
+        return None
+    parts: list[pa.ChunkedArray] = []
+    if resolved is not None:
+        parts.append(resolved.to_pyarrow_dataset().to_table(columns=["half_offset"])[0])
+    if cancelled is not None:
+        due_before = cancelled.to_pyarrow_dataset().to_table(
+            columns=["half_offset"], filter=pc.field("due_ms") < cutoff
+        )[0]
+        parts.append(_plain_only(halves, due_before))
+    return pa.chunked_array(
+        [chunk for part in parts for chunk in part.cast(pa.int64()).chunks], pa.int64()
+    ).combine_chunks()
+
+
+def _plain_only(halves: DeltaTable, cancelled: pa.ChunkedArray) -> pa.ChunkedArray:
+    """The offsets in `cancelled` naming plain messages (a transactional one
+    is resolved by its decision, or kept when discarded)."""
+    if len(cancelled) == 0:
+        return cancelled
+    return halves.to_pyarrow_dataset().to_table(
+        columns=["half_offset"],
+        filter=(pc.field("message_type") == MessageType.NORMAL.value)
+        & pc.field("half_offset").isin(cancelled),
+    )[0]
 
 
 def _delete_offsets(table: DeltaTable, column: str, offsets: list[int]) -> int:

@@ -5,11 +5,13 @@ from deltalake import DeltaTable, write_deltalake
 
 from schemas import RESOLVED
 from schemas.arrow import arrow_schema
+from schemas.tables import CANCELLED
 from txn_core import (
     Broker,
     Config,
     LocalTransactionState,
     Message,
+    Producer,
     TransactionListener,
     TransactionProducer,
 )
@@ -87,6 +89,62 @@ def test_purge_deletes_only_resolved_messages_older_than_retention(warehouse):
     assert (report.purged_halves, report.purged_ops) == (1, 1)
     assert halves == {old_pending.half_offset, edge.half_offset}
     assert ops == {edge.half_offset}
+
+
+def _mark_cancelled(warehouse, results, due_ms):
+    """Stand-in for the job's `_sys/cancelled` rows."""
+    schema = arrow_schema(CANCELLED)
+    rows = [
+        {
+            **{c: None for c in schema.names},
+            "half_offset": r.half_offset,
+            "due_ms": due,
+            "transaction_id": r.msg_id,
+            "producer_group": "g",
+            "topic": "T",
+            "queue_id": 0,
+            "op_offset": 0,
+            "op_version": 0,
+            "op_store_ms": 0,
+            "run_id": "run-1",
+            "run_number": 1,
+        }
+        for r, due in zip(results, due_ms, strict=True)
+    ]
+    table = open_or_create(warehouse, CANCELLED, configuration={})
+    write_deltalake(table, pa.Table.from_pylist(rows, schema=schema), mode="append")
+
+
+def test_purge_deletes_cancelled_plain_messages_once_due_and_old(warehouse):
+    """A cancelled plain message is never delivered, so never resolved: its
+    cancel finishes it once its due time too is before the window; a
+    cancelled transactional one waits for its decision."""
+    clock = Clock(1_000 * HOUR)
+    config = Config(warehouse=warehouse, reserved_hours=72)
+    with Broker.open(warehouse, config=config, clock=clock) as broker:
+        plain = Producer(broker, "g")
+        txn = TransactionProducer(broker, "g", Decide())
+        due_soon = plain.send(Message(topic="T", body=b"a", delay_ms=HOUR))
+        due_late = plain.send(Message(topic="T", body=b"b", delay_ms=48 * HOUR))
+        pending = txn.send_message_in_transaction(
+            Message(topic="T", body=b"c", delay_ms=HOUR), None
+        )
+        sent = [due_soon, due_late, pending]
+        for r in sent:
+            broker.cancel(r.msg_id)
+        _mark_cancelled(
+            warehouse, sent, [clock.now + HOUR, clock.now + 48 * HOUR, clock.now + HOUR]
+        )
+        report = maintain(broker, now_ms=clock.now + 74 * HOUR)
+    halves = {
+        r["half_offset"]
+        for r in DeltaTable(f"{warehouse}/_sys/half").to_pyarrow_table().to_pylist()
+    }
+    ops = {
+        r["half_offset"] for r in DeltaTable(f"{warehouse}/_sys/op").to_pyarrow_table().to_pylist()
+    }
+    assert (report.purged_halves, report.purged_ops) == (1, 1)
+    assert halves == ops == {due_late.half_offset, pending.half_offset}
 
 
 def test_compaction_and_checkpoint_leave_rows_and_change_feed_intact(warehouse):

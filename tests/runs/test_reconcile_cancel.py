@@ -6,15 +6,18 @@ not delayed, is rejected with its reason; `status` and `verify` see them."""
 
 from __future__ import annotations
 
+import time
+
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from jobs.reconcile import reconcile
+from jobs.faults import InjectedFault
+from jobs.reconcile import main, reconcile, recover
 from jobs.status import status
 from jobs.verify import verify
 from schemas import table_path, topic_path
-from schemas.tables import CANCELLED, REJECTED
+from schemas.tables import CANCELLED, OP, REJECTED, RESOLVED
 from txn_core import (
     Broker,
     Config,
@@ -25,6 +28,8 @@ from txn_core import (
     TransactionProducer,
 )
 from txn_core.vocabulary import CANCEL
+
+import factories as fx
 
 T0 = 1_700_000_000_000
 
@@ -150,3 +155,94 @@ def test_cancelled_delayed_messages_are_never_delivered_and_late_cancels_are_rej
     )
     write_deltalake(path, pa.Table.from_pylist([extra], schema=rows.schema), mode="append")
     assert verify(spark, cfg).differences_by_kind.get("delivered_cancelled") == 1
+
+
+def _cancel_runs(spark, warehouse: str, crash: dict[int, str], monkeypatch) -> list:
+    """Run 1 schedules a plain timer and holds two delayed transactional
+    messages pending; run 2 reads a cancel of each (one in the same run as
+    its ROLLBACK) and a cancel of a message not delayed; run 3, past the due
+    time, reads the COMMIT of a cancelled one. `crash`: run number -> the
+    step at which that run dies (then recovered). Returns the summaries of
+    the runs not killed."""
+    cfg = {"warehouse": warehouse}
+    t = T0
+    due = t + 10_000
+    halves = [
+        fx.half(41, store_ms=t - 10, deliver_at_ms=due, message_type="NORMAL"),
+        fx.half(42, store_ms=t - 10, deliver_at_ms=due),
+        fx.half(43, store_ms=t - 10, deliver_at_ms=due),
+        fx.half(44, store_ms=t - 10, message_type="NORMAL"),
+    ]
+    fx.write_halves(warehouse, *halves)
+    admin = {"source": "ADMIN", "store_ms": t + 100}
+    later_ops = {
+        2: [
+            fx.op(halves[0], CANCEL, op_offset=51, **admin),
+            fx.op(halves[1], CANCEL, op_offset=52, **admin),
+            fx.op(halves[2], CANCEL, op_offset=53, **admin),
+            fx.op(halves[2], "ROLLBACK", op_offset=54, store_ms=t + 200),
+            fx.op(halves[3], CANCEL, op_offset=55, **admin),
+        ],
+        3: [fx.op(halves[1], op_offset=56, store_ms=t + 15_000)],
+    }
+    summaries = []
+    for number, now in ((1, t), (2, t + 1_000), (3, t + 20_000)):
+        fx.write_ops(warehouse, *later_ops.get(number, []))
+        step = crash.get(number)
+        if step is None:
+            summaries.append(reconcile(spark, cfg, now_ms=now))
+            continue
+        monkeypatch.setenv("TXN_FAULT_AT", step)
+        with pytest.raises(InjectedFault):
+            reconcile(spark, cfg, now_ms=now)
+        monkeypatch.delenv("TXN_FAULT_AT")
+        assert recover(spark, cfg, clock=lambda: time.time() + 3600) is not None
+    return summaries
+
+
+def test_cancels_with_a_rollback_in_the_same_run_and_a_run_killed_at_their_writes(
+    spark, tmp_path, monkeypatch
+):
+    clean = str(tmp_path / "clean")
+    first, second, third = _cancel_runs(spark, clean, {}, monkeypatch)
+    assert (first.scheduled, first.pending_after) == (1, 2)
+    # the ROLLBACK and the cancel of one message in one run: both apply
+    assert (second.cancelled, second.rolled_back, second.late_ops) == (3, 1, 1)
+    # the plain timer falls due cancelled; the COMMIT of 42 resolves it, undelivered
+    assert (third.committed, third.delivered_scheduled, third.pending_after) == (0, 0, 0)
+    assert _bodies(clean) == [b"body-44"]
+    resolved = DeltaTable(table_path(clean, RESOLVED)).to_pyarrow_table().to_pylist()
+    assert sorted((r["half_offset"], r["action"]) for r in resolved) == [
+        (42, "COMMIT"),
+        (43, "ROLLBACK"),
+        (44, "COMMIT"),
+    ]
+    report = verify(spark, {"warehouse": clean})
+    assert report.ok, report.render()
+    expected = fx.job_outputs(clean)
+    assert len(expected["_sys/cancelled"]) == 3
+    for crash in ({2: "after:_sys/cancelled"}, {3: "after:_sys/resolved"}):
+        wh = str(tmp_path / f"{min(crash)}_{crash[min(crash)]}".replace("/", "_").replace(":", "_"))
+        _cancel_runs(spark, wh, crash, monkeypatch)
+        assert fx.job_outputs(wh) == expected, crash
+
+
+def test_cancel_from_the_command_line_writes_the_admin_op(warehouse, capsys):
+    clock = Clock(T0)
+    with Broker.open(Config(warehouse=warehouse), clock=clock) as broker:
+        plain = Producer(broker, "order_group")
+        later = plain.send(Message(topic="ORDER", body=b"plain 60s", delay_ms=60_000))
+        now = plain.send(Message(topic="ORDER", body=b"plain now"))
+    args = ["cancel", "--warehouse", warehouse, "--msg-id", later.msg_id, "--remark", "paid"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert f'"msg_id": "{later.msg_id}"' in printed and '"action": "CANCEL"' in printed
+    ops = DeltaTable(table_path(warehouse, OP)).to_pyarrow_table().to_pylist()
+    assert [(o["half_offset"], o["action"], o["source"], o["remark"]) for o in ops] == [
+        (later.half_offset, CANCEL, "ADMIN", "paid")
+    ]
+    assert main(["cancel", "--warehouse", warehouse, "--msg-id", now.msg_id]) == 1
+    assert "not a delayed message" in capsys.readouterr().err
+    assert main(["cancel", "--warehouse", warehouse, "--msg-id", "no-such-id"]) == 1
+    assert "no-such-id" in capsys.readouterr().err
+    assert len(DeltaTable(table_path(warehouse, OP)).to_pyarrow_table()) == 1
