@@ -87,7 +87,8 @@ def test_the_class_archive_is_rebuilt_when_older_than_the_jars(tmp_path, monkeyp
 def test_the_driver_logs_at_warn_without_the_warnings_of_a_healthy_run(spark):
     """conf/log4j2.properties reaches the JVM: root at WARN, and the warnings
     every run prints (a local checkpoint freed on purpose, Delta's duplicated
-    change-feed options, commit timestamps that tie) are quiet."""
+    change-feed options, commit timestamps that tie, a task carrying the rows
+    the driver read) are quiet."""
     from jobs.session import LOG_CONFIG
 
     assert f"-Dlog4j2.configurationFile={LOG_CONFIG}" in driver_java_options()
@@ -100,26 +101,33 @@ def test_the_driver_logs_at_warn_without_the_warnings_of_a_healthy_run(spark):
     ):
         assert str(manager.getLogger(quiet).getLevel()) == "ERROR", quiet
     assert str(manager.getLogger("org.apache.spark.sql.delta.DeltaLog").getLevel()) == "WARN"
-    # The scheduler's note on a large task binary is dropped, its other warnings are not.
+    # The scheduler's notes on a large task binary and on a task carrying the
+    # driver's rows are dropped, its other warnings are not.
     jvm = spark.sparkContext._jvm
-    scheduler = (
-        manager.getContext(False)
-        .getConfiguration()
-        .getLoggerConfig("org.apache.spark.scheduler.DAGScheduler")
-    )
+    config = manager.getContext(False).getConfiguration()
 
-    def dropped(message: str) -> bool:
+    def dropped(logger: str, message: str) -> bool:
         event = (
             jvm.org.apache.logging.log4j.core.impl.Log4jLogEvent.newBuilder()
-            .setLoggerName("org.apache.spark.scheduler.DAGScheduler")
+            .setLoggerName(logger)
             .setLevel(jvm.org.apache.logging.log4j.Level.WARN)
             .setMessage(jvm.org.apache.logging.log4j.message.SimpleMessage(message))
             .build()
         )
-        return scheduler.isFiltered(event)
+        return config.getLoggerConfig(logger).isFiltered(event)
 
-    assert dropped("Broadcasting large task binary with size 1063.9 KiB")
-    assert not dropped("Resubmitting ShuffleMapStage 3 due to fetch failure")
+    dag, tasks = (
+        "org.apache.spark.scheduler.DAGScheduler",
+        "org.apache.spark.scheduler.TaskSetManager",
+    )
+    assert dropped(dag, "Broadcasting large task binary with size 1063.9 KiB")
+    assert not dropped(dag, "Resubmitting ShuffleMapStage 3 due to fetch failure")
+    assert dropped(
+        tasks,
+        "Stage 12 contains a task of very large size (4096 KiB). "
+        "The maximum recommended task size is 1000 KiB.",
+    )
+    assert not dropped(tasks, "Lost task 0.0 in stage 3.0 (TID 7): java.io.IOException")
 
 
 @pytest.mark.spark
