@@ -18,7 +18,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, fields
 
-from jobs import inputs, job_tables, run_log
+from jobs import inputs, job_tables, run_log, scheduled
 from jobs import transforms as T
 from jobs.faults import InjectedFault, fault_point
 from jobs.held import Held
@@ -165,6 +165,7 @@ def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSumm
     if intent.run_number % job_tables.COMPACT_EVERY_RUNS == 0:
         lease.keep_alive()
         job_tables.compact_job_tables(spark, wh)
+        scheduled.drop_past(wh, summary.watermark_ms)
     return summary
 
 

@@ -5,10 +5,14 @@ A run reads the rows due in (its previous watermark, its watermark] with
 Spark (`jobs.transforms.due_scheduled`), schedules the messages it reads
 that are due later, and needs the earliest due time still waiting for its
 `next_due_ms`: `next_due_after` finds it from the files' statistics,
-opening only the files that may hold it.
+opening only the files that may hold it. Rows due at or before a committed
+run's watermark are never read again (delivered, or dropped as cancelled):
+`drop_past` deletes them, with the job's other upkeep.
 """
 
 from __future__ import annotations
+
+import logging
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -17,6 +21,8 @@ from jobs.job_tables import NO_VERSION
 from schemas import table_path
 from schemas.tables import SCHEDULED
 from txn_core.storage import options_for
+
+log = logging.getLogger(__name__)
 
 
 def next_due_after(warehouse: str, version: int, after_ms: int) -> int | None:
@@ -46,3 +52,33 @@ def next_due_after(warehouse: str, version: int, after_ms: int) -> int | None:
     found = table.to_pyarrow_dataset().to_table(columns=["due_ms"], filter=due)["due_ms"]
     earliest: int | None = pc.min(found).as_py()
     return earliest
+
+
+def drop_past(warehouse: str, watermark_ms: int) -> int:
+    """Delete the scheduled rows due at or before `watermark_ms`, a committed
+    run's watermark; returns how many. Every later run reads only what falls
+    due after its previous watermark, and `status` and the cancels only what
+    is due after the current one, so the set is left holding what waits.
+
+    Only files whose statistics start at or before the watermark are read
+    (the rest are waiting rows); each is rewritten without its past rows, so
+    a file keeps its narrow due range. Not tagged with a run: a redo steps
+    over it as over a compaction. A failure is logged, never raised: the
+    run it follows is committed, and the next round retries.
+    """
+    from deltalake import DeltaTable
+
+    path = table_path(warehouse, SCHEDULED)
+    try:
+        table = DeltaTable(path, storage_options=options_for(path))
+        files = pa.table(table.get_add_actions(flatten=True))
+        if files.num_rows == 0:
+            return 0
+        if "min.due_ms" in files.column_names and not files["min.due_ms"].null_count:
+            if pc.min(files["min.due_ms"]).as_py() > watermark_ms:
+                return 0
+        metrics = table.delete(f"due_ms <= {int(watermark_ms)}")
+    except Exception as exc:  # noqa: BLE001 - upkeep must not fail a finished run
+        log.warning("dropping the past rows of %s failed (%s); the next round retries", path, exc)
+        return 0
+    return int(metrics.get("num_deleted_rows", 0))

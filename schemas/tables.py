@@ -277,7 +277,8 @@ RESOLVED = TableSchema(
 # appended by the run that reads the commit, each run's rows sorted by
 # due_ms into files of narrow ranges, so a run reading what falls due in
 # (its previous watermark, its own] skips every other file by its statistics
-# (due_ms first: the only column with statistics). Never rewritten by a run.
+# (due_ms first: the only column with statistics). Every 100th run deletes
+# the rows due at or before its watermark (`jobs.scheduled.drop_past`).
 SCHEDULED = TableSchema(
     "_sys/scheduled",
     _cols(

@@ -11,6 +11,7 @@ import pyarrow.compute as pc
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
+from jobs import job_tables
 from jobs.faults import InjectedFault
 from jobs.reconcile import reconcile, recover
 from jobs.status import status
@@ -330,3 +331,40 @@ def test_a_run_killed_while_scheduling_transactional_messages_redoes_to_the_same
         wh = str(tmp_path / f"{min(crash)}_{crash[min(crash)]}".replace("/", "_").replace(":", "_"))
         _txn_runs(spark, wh, crash, monkeypatch)
         assert fx.job_outputs(wh) == expected, crash
+
+
+def test_the_job_upkeep_drops_scheduled_rows_once_past_and_the_rest_still_come_due(
+    spark, warehouse, monkeypatch
+):
+    """Every COMPACT_EVERY_RUNS runs, the rows due at or before the committed
+    watermark leave `_sys/scheduled`: the set keeps what waits, and what
+    waits is delivered and counted as before."""
+    monkeypatch.setattr(job_tables, "COMPACT_EVERY_RUNS", 2)
+    cfg = {"warehouse": warehouse}
+    t = T0
+    plain = {"message_type": "NORMAL"}
+    fx.write_halves(
+        warehouse,
+        *(
+            fx.half(60 + k, store_ms=t - 10, deliver_at_ms=t + due, **plain)
+            for k, due in enumerate((1_000, 5_000, 9_000))
+        ),
+    )
+    path = table_path(warehouse, SCHEDULED)
+
+    def waiting() -> list[int]:
+        return sorted(r["due_ms"] - t for r in DeltaTable(path).to_pyarrow_table().to_pylist())
+
+    assert reconcile(spark, cfg, now_ms=t).scheduled == 3
+    second = reconcile(spark, cfg, now_ms=t + 2_000)  # run 2: delivers one, then the upkeep
+    assert second.delivered_scheduled == 1
+    assert waiting() == [5_000, 9_000]
+    assert status(spark, cfg, now_ms=t + 2_000).scheduled == 2
+    third = reconcile(spark, cfg, now_ms=t + 6_000)
+    assert (third.delivered_scheduled, third.next_scheduled_ms) == (1, t + 9_000)
+    fourth = reconcile(spark, cfg, now_ms=t + 10_000)
+    assert (fourth.delivered_scheduled, fourth.scheduled_after) == (1, 0)
+    assert waiting() == []
+    assert [b for b, _, _ in _queue(warehouse)] == [b"body-60", b"body-61", b"body-62"]
+    report = verify(spark, cfg)
+    assert report.ok, report.render()
