@@ -274,11 +274,6 @@ def compute(
     )
 
 
-#: rows per file of a run's scheduled rows, sorted by due_ms: a run reading
-#: what falls due opens the few files whose due_ms range meets its window
-SCHEDULED_ROWS_PER_FILE = 25_000
-
-
 def _due_counts(due_keys) -> tuple[int, int, int]:
     """(scheduled rows due in this run, of which delivered: not cancelled,
     and of those the transactional ones: resolved when their COMMIT won), in
@@ -312,7 +307,7 @@ def _resolved_count(c: dict, commits_later: int, due_resolved: int) -> int:
 
 def _scheduled_files(rows, later: dict):
     """The run's SCHEDULED rows in files of narrow due_ms ranges, sorted."""
-    files = max(1, -(-later["scheduled"] // SCHEDULED_ROWS_PER_FILE))
+    files = max(1, -(-later["scheduled"] // scheduled.ROWS_PER_FILE))
     return rows.repartitionByRange(files, "due_ms").sortWithinPartitions("due_ms", "half_offset")
 
 

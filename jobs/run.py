@@ -166,6 +166,7 @@ def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSumm
         lease.keep_alive()
         job_tables.compact_job_tables(spark, wh)
         scheduled.drop_past(wh, summary.watermark_ms)
+        scheduled.merge_small_files(wh)
     return summary
 
 

@@ -7,7 +7,9 @@ that are due later, and needs the earliest due time still waiting for its
 `next_due_ms`: `next_due_after` finds it from the files' statistics,
 opening only the files that may hold it. Rows due at or before a committed
 run's watermark are never read again (delivered, or dropped as cancelled):
-`drop_past` deletes them, with the job's other upkeep.
+`drop_past` deletes them, with the job's other upkeep; `merge_small_files`
+then rewrites the set sorted once the small files of runs that scheduled a
+few messages each are many (their due ranges may be wide).
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ from schemas.tables import SCHEDULED
 from txn_core.storage import options_for
 
 log = logging.getLogger(__name__)
+
+#: rows per file of a run's scheduled rows, sorted by due_ms: a run reading
+#: what falls due opens the few files whose due_ms range meets its window
+ROWS_PER_FILE = 25_000
+#: files of fewer rows than this are small (a run that scheduled a few)...
+SMALL_FILE_ROWS = ROWS_PER_FILE // 2
+#: ...and this many of them make the upkeep rewrite the set sorted by due_ms
+SMALL_FILES_TO_MERGE = 32
 
 
 def next_due_after(warehouse: str, version: int, after_ms: int) -> int | None:
@@ -82,3 +92,31 @@ def drop_past(warehouse: str, watermark_ms: int) -> int:
         log.warning("dropping the past rows of %s failed (%s); the next round retries", path, exc)
         return 0
     return int(metrics.get("num_deleted_rows", 0))
+
+
+def merge_small_files(warehouse: str) -> int:
+    """When `SMALL_FILES_TO_MERGE` files of `_sys/scheduled` hold fewer than
+    `SMALL_FILE_ROWS` rows each, rewrite the whole set sorted by due_ms into
+    files of about `ROWS_PER_FILE` rows (delta-rs' z-order on the one
+    column: a sort), so that a window's read opens a few files again.
+    Returns the files removed (0: nothing to do). The rewrite changes no row
+    (dataChange false) and costs what waits: run it after `drop_past`. A
+    failure is logged, never raised, as there."""
+    from deltalake import DeltaTable
+
+    path = table_path(warehouse, SCHEDULED)
+    try:
+        table = DeltaTable(path, storage_options=options_for(path))
+        files = pa.table(table.get_add_actions(flatten=True))
+        if files.num_rows == 0:
+            return 0
+        small = pc.sum(pc.less(files["num_records"], SMALL_FILE_ROWS)).as_py() or 0
+        if small < SMALL_FILES_TO_MERGE:
+            return 0
+        rows = pc.sum(files["num_records"]).as_py() or 1
+        row_bytes = max(1, (pc.sum(files["size_bytes"]).as_py() or 0) // rows)
+        metrics = table.optimize.z_order(["due_ms"], target_size=row_bytes * ROWS_PER_FILE)
+    except Exception as exc:  # noqa: BLE001 - upkeep must not fail a finished run
+        log.warning("merging the small files of %s failed (%s); the next round retries", path, exc)
+        return 0
+    return int(metrics.get("numFilesRemoved", 0))

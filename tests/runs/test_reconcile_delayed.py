@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from jobs import job_tables
+from jobs import job_tables, scheduled
 from jobs.faults import InjectedFault
 from jobs.reconcile import reconcile, recover
 from jobs.status import status
@@ -117,8 +117,8 @@ def test_delayed_messages_wait_for_their_time_and_come_in_due_order(spark, wareh
     assert queue[-1][2] == T0 + 60_000
     after = reconcile(spark, cfg, now_ms=T0 + 120_000)
     assert after.idle and len(_queue(warehouse)) == 7
-    scheduled = DeltaTable(table_path(warehouse, SCHEDULED)).to_pyarrow_table()
-    assert scheduled.num_rows == 3  # appended once each, never rewritten
+    scheduled_rows = DeltaTable(table_path(warehouse, SCHEDULED)).to_pyarrow_table()
+    assert scheduled_rows.num_rows == 3  # appended once each (the upkeep is every 100th run)
     report = verify(spark, cfg)
     assert report.ok, report.render()
     assert (report.counts["delivered"], report.counts["scheduled"]) == (7, 0)
@@ -333,38 +333,42 @@ def test_a_run_killed_while_scheduling_transactional_messages_redoes_to_the_same
         assert fx.job_outputs(wh) == expected, crash
 
 
-def test_the_job_upkeep_drops_scheduled_rows_once_past_and_the_rest_still_come_due(
+def test_the_job_upkeep_drops_past_scheduled_rows_merges_small_files_and_the_rest_come_due(
     spark, warehouse, monkeypatch
 ):
     """Every COMPACT_EVERY_RUNS runs, the rows due at or before the committed
-    watermark leave `_sys/scheduled`: the set keeps what waits, and what
-    waits is delivered and counted as before."""
+    watermark leave `_sys/scheduled`, and many small files are merged sorted
+    by due_ms: the set keeps what waits, delivered and counted as before."""
     monkeypatch.setattr(job_tables, "COMPACT_EVERY_RUNS", 2)
+    monkeypatch.setattr(scheduled, "SMALL_FILES_TO_MERGE", 2)
     cfg = {"warehouse": warehouse}
     t = T0
     plain = {"message_type": "NORMAL"}
     fx.write_halves(
         warehouse,
-        *(
-            fx.half(60 + k, store_ms=t - 10, deliver_at_ms=t + due, **plain)
-            for k, due in enumerate((1_000, 5_000, 9_000))
-        ),
+        fx.half(60, store_ms=t - 10, deliver_at_ms=t + 1_000, **plain),
+        fx.half(61, store_ms=t - 10, deliver_at_ms=t + 9_000, **plain),
     )
     path = table_path(warehouse, SCHEDULED)
 
-    def waiting() -> list[int]:
-        return sorted(r["due_ms"] - t for r in DeltaTable(path).to_pyarrow_table().to_pylist())
+    def waiting() -> tuple[list[int], int]:
+        table = DeltaTable(path)
+        rows = table.to_pyarrow_table().to_pylist()
+        return sorted(r["due_ms"] - t for r in rows), len(table.file_uris())
 
-    assert reconcile(spark, cfg, now_ms=t).scheduled == 3
-    second = reconcile(spark, cfg, now_ms=t + 2_000)  # run 2: delivers one, then the upkeep
-    assert second.delivered_scheduled == 1
-    assert waiting() == [5_000, 9_000]
+    assert reconcile(spark, cfg, now_ms=t).scheduled == 2  # one file: 1 s and 9 s
+    fx.write_halves(warehouse, fx.half(62, store_ms=t + 1_000, deliver_at_ms=t + 5_000, **plain))
+    # run 2 delivers the 1-s one and schedules the 5-s one (a second file);
+    # its upkeep drops the past row, then merges the two small files
+    second = reconcile(spark, cfg, now_ms=t + 2_000)
+    assert (second.delivered_scheduled, second.scheduled) == (1, 1)
+    assert waiting() == ([5_000, 9_000], 1)
     assert status(spark, cfg, now_ms=t + 2_000).scheduled == 2
     third = reconcile(spark, cfg, now_ms=t + 6_000)
     assert (third.delivered_scheduled, third.next_scheduled_ms) == (1, t + 9_000)
     fourth = reconcile(spark, cfg, now_ms=t + 10_000)
     assert (fourth.delivered_scheduled, fourth.scheduled_after) == (1, 0)
-    assert waiting() == []
-    assert [b for b, _, _ in _queue(warehouse)] == [b"body-60", b"body-61", b"body-62"]
+    assert waiting() == ([], 0)
+    assert [b for b, _, _ in _queue(warehouse)] == [b"body-60", b"body-62", b"body-61"]
     report = verify(spark, cfg)
     assert report.ok, report.render()
