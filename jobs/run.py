@@ -165,8 +165,7 @@ def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSumm
     if intent.run_number % job_tables.COMPACT_EVERY_RUNS == 0:
         lease.keep_alive()
         job_tables.compact_job_tables(spark, wh)
-        scheduled.drop_past(wh, summary.watermark_ms)
-        scheduled.merge_small_files(wh)
+        scheduled.upkeep(wh, summary.watermark_ms)
     return summary
 
 

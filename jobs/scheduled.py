@@ -7,9 +7,9 @@ that are due later, and needs the earliest due time still waiting for its
 `next_due_ms`: `next_due_after` finds it from the files' statistics,
 opening only the files that may hold it. Rows due at or before a committed
 run's watermark are never read again (delivered, or dropped as cancelled):
-`drop_past` deletes them, with the job's other upkeep; `merge_small_files`
-then rewrites the set sorted once the small files of runs that scheduled a
-few messages each are many (their due ranges may be wide).
+`upkeep` deletes them, with the job's other upkeep, and rewrites the set
+sorted once the small files of runs that scheduled a few messages each are
+many (their due ranges may be wide).
 """
 
 from __future__ import annotations
@@ -64,59 +64,54 @@ def next_due_after(warehouse: str, version: int, after_ms: int) -> int | None:
     return earliest
 
 
-def drop_past(warehouse: str, watermark_ms: int) -> int:
-    """Delete the scheduled rows due at or before `watermark_ms`, a committed
-    run's watermark; returns how many. Every later run reads only what falls
-    due after its previous watermark, and `status` and the cancels only what
-    is due after the current one, so the set is left holding what waits.
-
-    Only files whose statistics start at or before the watermark are read
-    (the rest are waiting rows); each is rewritten without its past rows, so
-    a file keeps its narrow due range. Not tagged with a run: a redo steps
-    over it as over a compaction. A failure is logged, never raised: the
-    run it follows is committed, and the next round retries.
-    """
+def upkeep(warehouse: str, watermark_ms: int) -> tuple[int, int]:
+    """The scheduled set's share of the job's upkeep (every
+    `job_tables.COMPACT_EVERY_RUNS` runs, after a committed run whose
+    watermark is `watermark_ms`): `_drop_past`, then `_merge_small_files`.
+    Returns (rows dropped, files merged). Neither commit is tagged with a
+    run, so a redo steps over them as over a compaction. A failure is
+    logged, never raised: the run it follows is committed, and the next
+    round retries."""
     from deltalake import DeltaTable
 
     path = table_path(warehouse, SCHEDULED)
     try:
         table = DeltaTable(path, storage_options=options_for(path))
-        files = pa.table(table.get_add_actions(flatten=True))
-        if files.num_rows == 0:
-            return 0
-        if "min.due_ms" in files.column_names and not files["min.due_ms"].null_count:
-            if pc.min(files["min.due_ms"]).as_py() > watermark_ms:
-                return 0
-        metrics = table.delete(f"due_ms <= {int(watermark_ms)}")
+        dropped = _drop_past(table, watermark_ms)
+        merged = _merge_small_files(table)
     except Exception as exc:  # noqa: BLE001 - upkeep must not fail a finished run
-        log.warning("dropping the past rows of %s failed (%s); the next round retries", path, exc)
+        log.warning("the upkeep of %s failed (%s); the next round retries", path, exc)
+        return 0, 0
+    return dropped, merged
+
+
+def _drop_past(table, watermark_ms: int) -> int:
+    """Delete the rows due at or before `watermark_ms`: every later run reads
+    only what falls due after its previous watermark, and `status` and the
+    cancels only what is due after the current one. Only files whose
+    statistics start there are read, each rewritten without its past rows,
+    so it keeps its narrow due range."""
+    files = pa.table(table.get_add_actions(flatten=True))
+    if files.num_rows == 0:
         return 0
-    return int(metrics.get("num_deleted_rows", 0))
-
-
-def merge_small_files(warehouse: str) -> int:
-    """When `SMALL_FILES_TO_MERGE` files of `_sys/scheduled` hold fewer than
-    `SMALL_FILE_ROWS` rows each, rewrite the whole set sorted by due_ms into
-    files of about `ROWS_PER_FILE` rows (delta-rs' z-order on the one
-    column: a sort), so that a window's read opens a few files again.
-    Returns the files removed (0: nothing to do). The rewrite changes no row
-    (dataChange false) and costs what waits: run it after `drop_past`. A
-    failure is logged, never raised, as there."""
-    from deltalake import DeltaTable
-
-    path = table_path(warehouse, SCHEDULED)
-    try:
-        table = DeltaTable(path, storage_options=options_for(path))
-        files = pa.table(table.get_add_actions(flatten=True))
-        if files.num_rows == 0:
+    if "min.due_ms" in files.column_names and not files["min.due_ms"].null_count:
+        if pc.min(files["min.due_ms"]).as_py() > watermark_ms:
             return 0
-        small = pc.sum(pc.less(files["num_records"], SMALL_FILE_ROWS)).as_py() or 0
-        if small < SMALL_FILES_TO_MERGE:
-            return 0
-        rows = pc.sum(files["num_records"]).as_py() or 1
-        row_bytes = max(1, (pc.sum(files["size_bytes"]).as_py() or 0) // rows)
-        metrics = table.optimize.z_order(["due_ms"], target_size=row_bytes * ROWS_PER_FILE)
-    except Exception as exc:  # noqa: BLE001 - upkeep must not fail a finished run
-        log.warning("merging the small files of %s failed (%s); the next round retries", path, exc)
+    return int(table.delete(f"due_ms <= {int(watermark_ms)}").get("num_deleted_rows", 0))
+
+
+def _merge_small_files(table) -> int:
+    """When `SMALL_FILES_TO_MERGE` files hold fewer than `SMALL_FILE_ROWS`
+    rows each, rewrite the whole set sorted by due_ms into files of about
+    `ROWS_PER_FILE` rows (delta-rs' z-order on the one column: a sort), so
+    that a window's read opens a few files again; no row changes
+    (dataChange false), and the cost follows what waits."""
+    table.update_incremental()
+    files = pa.table(table.get_add_actions(flatten=True))
+    small = pc.sum(pc.less(files["num_records"], SMALL_FILE_ROWS)).as_py() or 0
+    if small < SMALL_FILES_TO_MERGE:
         return 0
+    rows = pc.sum(files["num_records"]).as_py() or 1
+    row_bytes = max(1, (pc.sum(files["size_bytes"]).as_py() or 0) // rows)
+    metrics = table.optimize.z_order(["due_ms"], target_size=row_bytes * ROWS_PER_FILE)
     return int(metrics.get("numFilesRemoved", 0))

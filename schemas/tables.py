@@ -278,7 +278,7 @@ RESOLVED = TableSchema(
 # due_ms into files of narrow ranges, so a run reading what falls due in
 # (its previous watermark, its own] skips every other file by its statistics
 # (due_ms first: the only column with statistics). Every 100th run deletes
-# the rows due at or before its watermark (`jobs.scheduled.drop_past`).
+# the rows due at or before its watermark (`jobs.scheduled.upkeep`).
 SCHEDULED = TableSchema(
     "_sys/scheduled",
     _cols(

@@ -195,6 +195,26 @@ NOT_OUTPUTS = {"_sys/half", "_sys/op", "_sys/check_answers", "_sys/producers", "
 WALL_CLOCK = {"started_ms", "ended_ms", "summary_json", "duration_ms"}
 
 
+def run_or_crash(spark, cfg: dict, now_ms: int, crash: str | None, monkeypatch):
+    """A run at `now_ms`, its summary; with `crash` (a TXN_FAULT_AT step) it
+    dies there and is recovered, as the next invocation would (None)."""
+    import time
+
+    import pytest
+
+    from jobs.faults import InjectedFault
+    from jobs.reconcile import reconcile, recover
+
+    if crash is None:
+        return reconcile(spark, cfg, now_ms=now_ms)
+    monkeypatch.setenv("TXN_FAULT_AT", crash)
+    with pytest.raises(InjectedFault):
+        reconcile(spark, cfg, now_ms=now_ms)
+    monkeypatch.delenv("TXN_FAULT_AT")
+    assert recover(spark, cfg, clock=lambda: time.time() + 3600) is not None
+    return None
+
+
 def job_outputs(warehouse: str) -> dict[str, list]:
     """Every output table of the job on a local `warehouse` (wall-clock
     columns removed), order-independent: a redo must leave them as a clean

@@ -66,6 +66,12 @@ def _mark_resolved(warehouse, results):
     )
 
 
+def _half_offsets(warehouse: str, table: str) -> set[int]:
+    """The half offsets left in `_sys/<table>` (half or op)."""
+    rows = DeltaTable(f"{warehouse}/_sys/{table}").to_pyarrow_table(columns=["half_offset"])
+    return set(rows["half_offset"].to_pylist())
+
+
 def test_purge_deletes_only_resolved_messages_older_than_retention(warehouse):
     clock = Clock(1_000 * HOUR)
     config = Config(warehouse=warehouse, reserved_hours=72)
@@ -79,16 +85,9 @@ def test_purge_deletes_only_resolved_messages_older_than_retention(warehouse):
         clock.now += 1
         _mark_resolved(warehouse, [old_resolved, edge])
         report = maintain(broker, now_ms=clock.now + 72 * HOUR - 1)
-    halves = {
-        r["half_offset"]
-        for r in DeltaTable(f"{warehouse}/_sys/half").to_pyarrow_table().to_pylist()
-    }
-    ops = {
-        r["half_offset"] for r in DeltaTable(f"{warehouse}/_sys/op").to_pyarrow_table().to_pylist()
-    }
     assert (report.purged_halves, report.purged_ops) == (1, 1)
-    assert halves == {old_pending.half_offset, edge.half_offset}
-    assert ops == {edge.half_offset}
+    assert _half_offsets(warehouse, "half") == {old_pending.half_offset, edge.half_offset}
+    assert _half_offsets(warehouse, "op") == {edge.half_offset}
 
 
 def _mark_cancelled(warehouse, results, due_ms):
@@ -136,15 +135,9 @@ def test_purge_deletes_cancelled_plain_messages_once_due_and_old(warehouse):
             warehouse, sent, [clock.now + HOUR, clock.now + 48 * HOUR, clock.now + HOUR]
         )
         report = maintain(broker, now_ms=clock.now + 74 * HOUR)
-    halves = {
-        r["half_offset"]
-        for r in DeltaTable(f"{warehouse}/_sys/half").to_pyarrow_table().to_pylist()
-    }
-    ops = {
-        r["half_offset"] for r in DeltaTable(f"{warehouse}/_sys/op").to_pyarrow_table().to_pylist()
-    }
     assert (report.purged_halves, report.purged_ops) == (1, 1)
-    assert halves == ops == {due_late.half_offset, pending.half_offset}
+    kept = {due_late.half_offset, pending.half_offset}
+    assert _half_offsets(warehouse, "half") == _half_offsets(warehouse, "op") == kept
 
 
 def test_compaction_and_checkpoint_leave_rows_and_change_feed_intact(warehouse):

@@ -6,14 +6,11 @@ not delayed, is rejected with its reason; `status` and `verify` see them."""
 
 from __future__ import annotations
 
-import time
-
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from jobs.faults import InjectedFault
-from jobs.reconcile import main, reconcile, recover
+from jobs.reconcile import main, reconcile
 from jobs.status import status
 from jobs.verify import verify
 from schemas import table_path, topic_path
@@ -163,7 +160,7 @@ def _cancel_runs(spark, warehouse: str, crash: dict[int, str], monkeypatch) -> l
     its ROLLBACK) and a cancel of a message not delayed; run 3, past the due
     time, reads the COMMIT of a cancelled one. `crash`: run number -> the
     step at which that run dies (then recovered). Returns the summaries of
-    the runs not killed."""
+    every run (None for one killed)."""
     cfg = {"warehouse": warehouse}
     t = T0
     due = t + 10_000
@@ -188,15 +185,7 @@ def _cancel_runs(spark, warehouse: str, crash: dict[int, str], monkeypatch) -> l
     summaries = []
     for number, now in ((1, t), (2, t + 1_000), (3, t + 20_000)):
         fx.write_ops(warehouse, *later_ops.get(number, []))
-        step = crash.get(number)
-        if step is None:
-            summaries.append(reconcile(spark, cfg, now_ms=now))
-            continue
-        monkeypatch.setenv("TXN_FAULT_AT", step)
-        with pytest.raises(InjectedFault):
-            reconcile(spark, cfg, now_ms=now)
-        monkeypatch.delenv("TXN_FAULT_AT")
-        assert recover(spark, cfg, clock=lambda: time.time() + 3600) is not None
+        summaries.append(fx.run_or_crash(spark, cfg, now, crash.get(number), monkeypatch))
     return summaries
 
 

@@ -5,15 +5,11 @@ after every message due earlier; idle runs stay idle until the first is due."""
 
 from __future__ import annotations
 
-import time
-
 import pyarrow.compute as pc
-import pytest
 from deltalake import DeltaTable, write_deltalake
 
 from jobs import job_tables, scheduled
-from jobs.faults import InjectedFault
-from jobs.reconcile import reconcile, recover
+from jobs.reconcile import reconcile
 from jobs.status import status
 from jobs.verify import verify
 from schemas import table_path, topic_path
@@ -132,19 +128,6 @@ def test_delayed_messages_wait_for_their_time_and_come_in_due_order(spark, wareh
     assert verify(spark, cfg).differences_by_kind == {"delivered_early": 1}
 
 
-def _run(spark, cfg: dict, now_ms: int, crash: str | None, monkeypatch) -> None:
-    """A run at `now_ms`; with `crash` (a TXN_FAULT_AT step) it dies there and
-    is recovered, as the next invocation would."""
-    if crash is None:
-        reconcile(spark, cfg, now_ms=now_ms)
-        return
-    monkeypatch.setenv("TXN_FAULT_AT", crash)
-    with pytest.raises(InjectedFault):
-        reconcile(spark, cfg, now_ms=now_ms)
-    monkeypatch.delenv("TXN_FAULT_AT")
-    assert recover(spark, cfg, clock=lambda: time.time() + 3600) is not None
-
-
 def _two_runs(spark, warehouse: str, crash: dict[int, str], monkeypatch) -> None:
     """Run 1 schedules two timers, run 2 delivers one; `crash`: run number ->
     the step at which that run dies (then recovered, as the next invocation would)."""
@@ -161,7 +144,7 @@ def _two_runs(spark, warehouse: str, crash: dict[int, str], monkeypatch) -> None
     for number, now in ((1, t), (2, t + 2_000)):
         if number == 2:
             fx.write_halves(warehouse, fx.half(5, store_ms=t + 1_500, **plain))
-        _run(spark, cfg, now, crash.get(number), monkeypatch)
+        fx.run_or_crash(spark, cfg, now, crash.get(number), monkeypatch)
 
 
 def test_a_run_killed_at_a_scheduling_or_delivering_step_redoes_to_the_same_tables(
@@ -310,7 +293,7 @@ def _txn_runs(spark, warehouse: str, crash: dict[int, str], monkeypatch) -> None
         fx.op(halves[3], op_offset=34, store_ms=t - 5),
     )
     for number, now in ((1, t), (2, t + 2_000)):
-        _run(spark, cfg, now, crash.get(number), monkeypatch)
+        fx.run_or_crash(spark, cfg, now, crash.get(number), monkeypatch)
 
 
 def test_a_run_killed_while_scheduling_transactional_messages_redoes_to_the_same_tables(
