@@ -89,8 +89,9 @@ def _drop_past(table, watermark_ms: int) -> int:
     """Delete the rows due at or before `watermark_ms`: every later run reads
     only what falls due after its previous watermark, and `status` and the
     cancels only what is due after the current one. Only files whose
-    statistics start there are read, each rewritten without its past rows,
-    so it keeps its narrow due range."""
+    statistics start there are read (of a big run's sorted files, the one
+    straddling the watermark); what they still hold is written back
+    together, due after the watermark."""
     files = pa.table(table.get_add_actions(flatten=True))
     if files.num_rows == 0:
         return 0
