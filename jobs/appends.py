@@ -173,10 +173,17 @@ def snapshot_files(path: str, version: int) -> list[str] | None:
     the table's snapshot in a Spark job (for the pending set, before the run
     can start its first pass).
     """
+    table = open_snapshot(path, version)
+    return None if table is None else table.file_uris()
+
+
+def open_snapshot(path: str, version: int):
+    """The delta-rs table at `version` when its files can be read as
+    parquet by Spark (`snapshot_files`' conditions); otherwise None."""
     if local_path(path) is None and not is_s3(path):
         return None
     table = _rs_table(path, version)
-    return table.file_uris() if plain_table(table) else None
+    return table if plain_table(table) else None
 
 
 def _rs_table(path: str, version: int):

@@ -12,11 +12,12 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import LongType
 
-from jobs import appends
+from jobs import appends, scheduled
 from jobs.job_tables import NO_VERSION, WHOLE_STATE_TABLES
 from jobs.local import local_frame
 from schemas import CHECK_ANSWERS, HALF, OP, TableSchema, table_path
 from schemas.spark import spark_schema
+from schemas.tables import SCHEDULED
 from txn_core.delta_log import LOG_DIR, entry_name
 
 
@@ -123,6 +124,26 @@ def input_paths(warehouse: str) -> dict[str, str]:
 
 def state_version_key(table: TableSchema) -> str:
     return table.path
+
+
+def read_scheduled(
+    spark: SparkSession, warehouse: str, versions: dict[str, int], after_ms: int, upto_ms: int
+) -> DataFrame:
+    """The scheduled set as of the version pinned in `versions`, read from
+    the files that may hold a row due in (after_ms, upto_ms]
+    (`scheduled.files_due`); the caller filters the rows
+    (`T.due_scheduled`). Through Delta's reader when the log does not allow it."""
+    path = table_path(warehouse, SCHEDULED)
+    version = versions.get(state_version_key(SCHEDULED), NO_VERSION)
+    if version != NO_VERSION:
+        files = scheduled.files_due(path, version, after_ms, upto_ms)
+        if files is not None:
+            return (
+                spark.read.schema(spark_schema(SCHEDULED)).parquet(*files)
+                if files
+                else empty(spark, SCHEDULED)
+            )
+    return snapshot(spark, path, SCHEDULED, version)
 
 
 def read_state(

@@ -123,11 +123,16 @@ def compute(
     messages = T.live_messages(pending_prev, half, rules)
     plain = _plain_keys(checked, rules, held) if counted.values()["plain"] else None
     later = _scheduling(plain, rules)
-    # delayed messages due in (the previous watermark, this run's]: their keys
-    due = T.due_scheduled(inputs.read_state(spark, wh, record.state_versions, SCHEDULED), rules)
     prior = cancels.prior_cancels(spark, wh, record.state_versions)
-    due_keys = None
+    due = due_keys = None
     if rules.scheduled_before:
+        # delayed messages due in (the previous watermark, this run's]: their keys
+        due = T.due_scheduled(
+            inputs.read_scheduled(
+                spark, wh, record.state_versions, rules.prev_watermark_ms, rules.watermark_ms
+            ),
+            rules,
+        )
         due_keys = T.scheduled_winners(due)
         if prior is not None:  # cancelled before: leave the set now, undelivered
             dropped = cancels.prior_cancels_due(prior, rules).withColumn("_cancelled", F.lit(True))
@@ -222,13 +227,15 @@ def compute(
             "append",
             rows=later["scheduled"],
         )
+    # the due messages are delivered, never pending: only the deliveries read them
+    delivered_from = known
     if n_due:
-        known = known.unionByName(due.select(*STORED_MESSAGE_COLUMNS))
+        delivered_from = known.unionByName(due.select(*STORED_MESSAGE_COLUMNS))
     merge = plain is not None or n_due > 0 or delayed_now
     if writing and delivered_by_topic:  # the biggest write: started before the others are planned
         delivered = T.with_bodies(
             T.queue_positions(won, queues, plain=merge),
-            known,
+            delivered_from,
             broadcast=c["committed"] <= BROADCAST_MAX_ROWS,
         )
         start_deliveries(wh, T.deliveries(delivered, rules), delivered_by_topic, writes)

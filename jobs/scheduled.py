@@ -2,7 +2,8 @@
 (docs/protocol.md §4, "Delayed messages"), looked at with delta-rs.
 
 A run reads the rows due in (its previous watermark, its watermark] with
-Spark (`jobs.transforms.due_scheduled`), schedules the messages it reads
+Spark (`jobs.transforms.due_scheduled`), from the files `files_due` picks
+by their statistics, schedules the messages it reads
 that are due later, and needs the earliest due time still waiting for its
 `next_due_ms`: `next_due_after` finds it from the files' statistics,
 opening only the files that may hold it. Rows due at or before a committed
@@ -62,6 +63,34 @@ def next_due_after(warehouse: str, version: int, after_ms: int) -> int | None:
     found = table.to_pyarrow_dataset().to_table(columns=["due_ms"], filter=due)["due_ms"]
     earliest: int | None = pc.min(found).as_py()
     return earliest
+
+
+def files_due(path: str, version: int, after_ms: int, upto_ms: int) -> list[str] | None:
+    """The data files of the scheduled set at `path` as of `version` whose
+    statistics may hold a row due in (after_ms, upto_ms] (a file without
+    them is kept), when the set can be read as parquet
+    (`appends.open_snapshot`); otherwise None. Listed by delta-rs from the
+    log: Delta's own reader first rebuilds the table's state and filters
+    its files in Spark jobs of their own, a second of a run."""
+    from urllib.parse import unquote
+
+    from jobs.appends import open_snapshot
+
+    table = open_snapshot(path, version)
+    if table is None:
+        return None
+    files = pa.table(table.get_add_actions(flatten=True))
+    if files.num_rows == 0:
+        return []
+    if "min.due_ms" in files.column_names and "max.due_ms" in files.column_names:
+        low, high = files["min.due_ms"], files["max.due_ms"]
+        may_hold = pc.or_kleene(
+            pc.or_kleene(pc.is_null(low), pc.is_null(high)),
+            pc.and_kleene(pc.greater(high, after_ms), pc.less_equal(low, upto_ms)),
+        )
+        files = files.filter(may_hold)
+    wanted = {unquote(p).rsplit("/", 1)[-1] for p in files["path"].to_pylist()}
+    return [uri for uri in table.file_uris() if uri.rsplit("/", 1)[-1] in wanted]
 
 
 def upkeep(warehouse: str, watermark_ms: int) -> tuple[int, int]:

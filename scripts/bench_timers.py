@@ -100,22 +100,25 @@ def lower_bound(
     spark, warehouse: str, half_v: int, op_v: int, sched_v: int | None, now: int, out: str
 ):
     """Read the B new rows and the due scheduled ones (none: `sched_v`
-    None), write what is delivered once, to one table."""
+    None) as the job reads them (the files whose statistics may hold due
+    rows, as parquet), write what is delivered once, to one table."""
+    from jobs.inputs import read_scheduled, state_version_key
     from schemas.spark import spark_schema
 
     _topic_like_table(spark, out)
-    new = _delivered_rows(spark, warehouse, half_v, op_v)
-    if sched_v is None:
-        return timed(lambda: new.write.format("delta").mode("append").save(out))[0]
-    due = (
-        spark.read.format("delta")
-        .option("versionAsOf", sched_v)
-        .load(table_path(warehouse, SCHEDULED))
-        .where(f"due_ms > {NOW} AND due_ms <= {now}")
-        .select(*spark_schema(HALF).fieldNames()[:-2])
-    )
-    rows = new.unionByName(due, allowMissingColumns=True)
-    return timed(lambda: rows.write.format("delta").mode("append").save(out))[0]
+
+    def rows():  # the files listed inside the timing, as the job's run lists them
+        new = _delivered_rows(spark, warehouse, half_v, op_v)
+        if sched_v is None:
+            return new
+        due = (
+            read_scheduled(spark, warehouse, {state_version_key(SCHEDULED): sched_v}, NOW, now)
+            .where(f"due_ms > {NOW} AND due_ms <= {now}")
+            .select(*spark_schema(HALF).fieldNames()[:-2])
+        )
+        return new.unionByName(due, allowMissingColumns=True)
+
+    return timed(lambda: rows().write.format("delta").mode("append").save(out))[0]
 
 
 def main(argv=None) -> None:

@@ -8,10 +8,11 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from jobs import appends, inputs, job_tables
+from jobs import appends, inputs, job_tables, scheduled
 from schemas import HALF, PENDING, table_path
 from schemas.arrow import arrow_schema
 from schemas.spark import spark_schema
+from schemas.tables import SCHEDULED
 
 import factories as fx
 
@@ -199,6 +200,55 @@ def test_a_state_table_with_deletion_vectors_is_read_by_delta(spark, warehouse):
     version = DeltaTable(path).version()
     assert appends.snapshot_files(path, version) is None  # its files hold a deleted row
     assert sorted(r.half_offset for r in _read_whole(spark, warehouse, version).collect()) == [1, 3]
+
+
+def _scheduled(*due: int) -> list[dict]:
+    stored = [c.name for c in SCHEDULED.columns]
+    rows = [
+        {**fx.half(d, store_ms=1), "due_ms": d, "commit_ms": 1, "commit_version": 1} for d in due
+    ]
+    return [{**{k: r.get(k) for k in stored}, "run_number": 1, "source": None} for r in rows]
+
+
+def _due(spark, warehouse: str, version: int, after: int, upto: int) -> list[int]:
+    rows = inputs.read_scheduled(
+        spark, warehouse, {inputs.state_version_key(SCHEDULED): version}, after, upto
+    )
+    return sorted(r.due_ms for r in rows.where(f"due_ms > {after} AND due_ms <= {upto}").collect())
+
+
+def test_the_due_rows_are_read_from_the_files_whose_statistics_may_hold_them(
+    spark, warehouse, monkeypatch
+):
+    job_tables.ensure_job_tables(warehouse)
+    path = table_path(warehouse, SCHEDULED)
+    for due in ((10, 20), (30, 40), (50, 60)):  # a file each, disjoint due ranges
+        spark.createDataFrame(_scheduled(*due), spark_schema(SCHEDULED)).coalesce(1).write.format(
+            "delta"
+        ).mode("append").save(path)
+    files = appends.snapshot_files(path, 3)
+    assert len(files) == 3
+    assert scheduled.files_due(path, 3, 20, 40) == [f for f in files if _holds(f, 30)]
+    assert len(scheduled.files_due(path, 3, 15, 55)) == 3  # every range meets the window
+    assert scheduled.files_due(path, 3, 60, 99) == []
+    assert scheduled.files_due(path, 2, 20, 60) == [f for f in files if _holds(f, 30)]
+    with monkeypatch.context() as m:  # read as files: Delta's reader is never asked
+        m.setattr(inputs, "snapshot", lambda *a: pytest.fail("read through Delta"))
+        assert _due(spark, warehouse, 3, 20, 50) == [30, 40, 50]
+        assert _due(spark, warehouse, 3, 60, 99) == []
+    spark.sql(
+        f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('delta.enableDeletionVectors' = 'true')"
+    )
+    spark.sql(f"DELETE FROM delta.`{path}` WHERE due_ms = 40")  # a deletion vector
+    version = DeltaTable(path).version()
+    assert scheduled.files_due(path, version, 20, 50) is None  # a file holds a deleted row
+    assert _due(spark, warehouse, version, 20, 50) == [30, 50]  # read by Delta
+
+
+def _holds(file: str, due_ms: int) -> bool:
+    import pyarrow.parquet as pq
+
+    return due_ms in pq.read_table(file, columns=["due_ms"])["due_ms"].to_pylist()
 
 
 def test_the_driver_reads_files_written_before_a_column_was_added_with_it_null(tmp_path):
