@@ -14,16 +14,19 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
+from jobs import scheduled
 from jobs.faults import FAULT_EXIT_CODE
 from jobs.reconcile import main, reconcile
 from jobs.status import status
 from jobs.verify import verify
 from schemas import HALF, OP, RUNS, table_path, topic_path
+from schemas.tables import SCHEDULED
 from txn_core import (
     Broker,
     ConfigError,
     LocalTransactionState,
     Message,
+    Producer,
     TransactionListener,
     TransactionProducer,
     load_config,
@@ -360,9 +363,11 @@ def test_the_whole_cycle_on_s3_checks_discards_resolves_and_verifies(spark, s3):
     producer.send_batch_in_transaction(
         [Message(topic="PAY", body=bytes([i, 0, 255]), keys=f"pay-{i}") for i in range(3)]
     )
+    Producer(broker, "ship_group").send(Message(topic="SHIP", body=b"later", delay_ms=5_000))
 
     first = reconcile(spark, cfg, now_ms=T + 2_000)
     assert (first.committed, first.rolled_back, first.check_requests) == (4, 1, 2)
+    assert first.scheduled == 1 and first.next_scheduled_ms == T + 5_000
     assert first.delivered_by_topic == {"ORDER": 1, "PAY": 3}
     _no_secrets(first.to_json())
 
@@ -370,8 +375,14 @@ def test_the_whole_cycle_on_s3_checks_discards_resolves_and_verifies(spark, s3):
     second = reconcile(spark, cfg, now_ms=T + 4_000)
     assert (second.committed, second.check_requests) == (1, 1)
     assert producer.answer_checks() == 1
+    # the delayed message's file, listed from the log on the store and read as parquet
+    path = table_path(cfg.warehouse, SCHEDULED)
+    version = DeltaTable(path, storage_options=options_for(path)).version()
+    due_files = scheduled.files_due(path, version, T + 4_000, T + 6_000)
+    assert due_files is not None and len(due_files) == 1 and due_files[0].startswith("s3a://")
     third = reconcile(spark, cfg, now_ms=T + 6_000)
     assert third.discarded_max_checks == 1 and third.pending_after == 0
+    assert third.delivered_scheduled == 1 and third.delivered_by_topic["SHIP"] == 1
 
     # an operator overrides the discard (CLI: an ADMIN OP through the broker core)
     flags = [
@@ -414,6 +425,7 @@ def test_the_whole_cycle_on_s3_checks_discards_resolves_and_verifies(spark, s3):
     assert sorted(r["body"] for r in read_topic(cfg, "PAY")) == [
         bytes([i, 0, 255]) for i in range(3)
     ]
+    assert [r["body"] for r in read_topic(cfg, "SHIP")] == [b"later"]
     # each run's few rows were collected and committed by the driver (jobs.driver_writes)
     order = topic_path(cfg.warehouse, "ORDER")
     tagged = [
