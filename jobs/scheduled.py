@@ -16,10 +16,12 @@ many (their due ranges may be wide).
 from __future__ import annotations
 
 import logging
+from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from jobs.appends import open_snapshot
 from jobs.job_tables import NO_VERSION
 from schemas import table_path
 from schemas.tables import SCHEDULED
@@ -71,11 +73,7 @@ def files_due(path: str, version: int, after_ms: int, upto_ms: int) -> list[str]
     them is kept), when the set can be read as parquet
     (`appends.open_snapshot`); otherwise None. Listed by delta-rs from the
     log: Delta's own reader first rebuilds the table's state and filters
-    its files in Spark jobs of their own, a second of a run."""
-    from urllib.parse import unquote
-
-    from jobs.appends import open_snapshot
-
+    its files in Spark jobs of their own, at every read."""
     table = open_snapshot(path, version)
     if table is None:
         return None
