@@ -167,23 +167,24 @@ def test_the_cli_exits_2_for_a_missing_bucket_before_starting_spark(s3):
     _no_secrets(done.stderr)
 
 
+def _s3_flags(settings: dict) -> list[str]:
+    """The CLI's flags for the warehouse and the loopback store of `settings`."""
+    return [
+        "--warehouse",
+        settings["warehouse"],
+        "--s3-endpoint",
+        settings["s3_endpoint"],
+        "--s3-path-style",
+        "true",
+        "--s3-allow-http",
+        "true",
+    ]
+
+
 def _cli(settings: dict, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """`txn-reconcile ARGS` on the warehouse of `settings`, in a process of its own."""
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jobs.reconcile",
-            *args,
-            "--warehouse",
-            settings["warehouse"],
-            "--s3-endpoint",
-            settings["s3_endpoint"],
-            "--s3-path-style",
-            "true",
-            "--s3-allow-http",
-            "true",
-        ],
+        [sys.executable, "-m", "jobs.reconcile", *args, *_s3_flags(settings)],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
         capture_output=True,
@@ -385,16 +386,7 @@ def test_the_whole_cycle_on_s3_checks_discards_resolves_and_verifies(spark, s3):
     assert third.delivered_scheduled == 1 and third.delivered_by_topic["SHIP"] == 1
 
     # an operator overrides the discard (CLI: an ADMIN OP through the broker core)
-    flags = [
-        "--warehouse",
-        settings["warehouse"],
-        "--s3-endpoint",
-        settings["s3_endpoint"],
-        "--s3-path-style",
-        "true",
-        "--s3-allow-http",
-        "true",
-    ]
+    flags = _s3_flags(settings)
     assert (
         main(
             [
