@@ -77,6 +77,19 @@ class S3Server(Running):
             "s3_allow_http": True,
         }
 
+    @staticmethod
+    def store_flags(settings: dict) -> list[str]:
+        """The CLI's flags for the store of `settings` (a `config()`): its
+        endpoint, path-style addressing and plain HTTP."""
+        return [
+            "--s3-endpoint",
+            settings["s3_endpoint"],
+            "--s3-path-style",
+            "true",
+            "--s3-allow-http",
+            "true",
+        ]
+
     def requests(self) -> dict[str, int]:
         import json
         import urllib.request

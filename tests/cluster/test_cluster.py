@@ -303,16 +303,10 @@ def test_reconcile_on_standalone_cluster(tmp_path, store, request):
 
     store_flags: list[str] = []
     if store == "s3":  # the executors reach the bucket with the driver's settings
-        settings = request.getfixturevalue("s3").config()
+        server = request.getfixturevalue("s3")
+        settings = server.config()
         warehouse = use(Storage.from_config(load_config(env={}, **settings))).warehouse
-        store_flags = [
-            "--s3-endpoint",
-            settings["s3_endpoint"],
-            "--s3-path-style",
-            "true",
-            "--s3-allow-http",
-            "true",
-        ]
+        store_flags = server.store_flags(settings)
     else:
         warehouse = str(tmp_path / "warehouse")
     expected = _write_warehouse(warehouse)

@@ -169,16 +169,7 @@ def test_the_cli_exits_2_for_a_missing_bucket_before_starting_spark(s3):
 
 def _s3_flags(settings: dict) -> list[str]:
     """The CLI's flags for the warehouse and the loopback store of `settings`."""
-    return [
-        "--warehouse",
-        settings["warehouse"],
-        "--s3-endpoint",
-        settings["s3_endpoint"],
-        "--s3-path-style",
-        "true",
-        "--s3-allow-http",
-        "true",
-    ]
+    return ["--warehouse", settings["warehouse"], *S3Server.store_flags(settings)]
 
 
 def _cli(settings: dict, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
