@@ -236,14 +236,19 @@ def _read_in_driver(
     spark: SparkSession, files: list[tuple[int, str, int]], table: TableSchema
 ) -> DataFrame:
     """`read_appended` by the driver: the files read with pyarrow, several at
-    a time (from S3 with the warehouse's client), handed to Spark as Arrow."""
+    a time (from S3 with the warehouse's client), handed to Spark as Arrow.
+
+    Handed over as one chunk: past the size it keeps in the plan
+    (`spark.sql.execution.arrow.localRelationThreshold`), Spark makes a
+    partition of each chunk, and a chunk per file made every stage of a run
+    a task per producer commit, and its writes a file per task."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     schema = arrow_schema(table)
     if local_path(files[0][1]) is not None:
         return spark.createDataFrame(
-            _read_local_files(files, schema), schema=_with_commit_version(table)
+            _read_local_files(files, schema).combine_chunks(), schema=_with_commit_version(table)
         )
     read = _s3_reader(files[0][1])
 
@@ -256,7 +261,7 @@ def _read_in_driver(
         )
 
     with ThreadPoolExecutor(_PARALLEL_GETS) as pool:
-        table_rows = pa.concat_tables(list(pool.map(rows, files)))
+        table_rows = pa.concat_tables(list(pool.map(rows, files))).combine_chunks()
     return spark.createDataFrame(table_rows, schema=_with_commit_version(table))
 
 

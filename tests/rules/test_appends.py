@@ -49,6 +49,28 @@ def test_many_small_appended_files_are_read_by_the_driver_like_the_change_feed(
     assert read_by == ["driver", "driver"]
 
 
+def test_the_rows_the_driver_reads_reach_spark_in_few_partitions_not_one_per_file(
+    spark, warehouse, monkeypatch
+):
+    """Spark makes a partition of each Arrow chunk it is handed (past a size it
+    keeps in the plan): a chunk per file read would make a run's every stage
+    a task per producer commit, and its writes as many files."""
+    for i in range(12):
+        fx.write_halves(warehouse, fx.half(10 + i))
+    path = table_path(warehouse, HALF)
+    upto = DeltaTable(path).version()
+    monkeypatch.setattr(appends, "DRIVER_READ_MIN_FILES", 3)
+    threshold = "spark.sql.execution.arrow.localRelationThreshold"
+    kept = spark.conf.get(threshold)
+    spark.conf.set(threshold, "0")  # as for the megabytes a steady load brings
+    try:
+        rows = inputs.added_rows(spark, path, HALF, 0, upto)
+        assert rows.rdd.getNumPartitions() == 1
+        _same_as_change_feed(spark, path, 0, upto)
+    finally:
+        spark.conf.set(threshold, kept)
+
+
 def test_appends_and_a_compaction_are_read_as_parquet_like_the_change_feed(spark, warehouse):
     for i in range(3):
         fx.write_halves(warehouse, fx.half(2 * i), fx.half(2 * i + 1))
