@@ -40,6 +40,11 @@ HISTORY_IN_LIST_MAX = 10_000
 #: message through a sort
 BROADCAST_MAX_ROWS = 1_000_000
 
+#: up to this many deliveries are placed in their queues by one task
+#: (`T.queue_positions`): a sort of narrow rows a task does in a fraction of
+#: a second, where the shuffle it saves is a Spark job of every run
+POSITIONS_ONE_TASK_MAX_ROWS = 250_000
+
 
 #: the driver's own small frames (`jobs.local`): history keys, each queue's last offset
 _HALF_OFFSETS = StructType([StructField("half_offset", LongType(), False)])
@@ -234,7 +239,9 @@ def compute(
     merge = plain is not None or n_due > 0 or delayed_now
     if writing and delivered_by_topic:  # the biggest write: started before the others are planned
         delivered = T.with_bodies(
-            T.queue_positions(won, queues, plain=merge),
+            T.queue_positions(
+                won, queues, plain=merge, one_task=c["committed"] <= POSITIONS_ONE_TASK_MAX_ROWS
+            ),
             delivered_from,
             broadcast=c["committed"] <= BROADCAST_MAX_ROWS,
         )

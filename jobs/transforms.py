@@ -582,7 +582,9 @@ def winners(classified: DataFrame) -> DataFrame:
 # --- 3. deliveries ---------------------------------------------------------
 
 
-def queue_positions(won: DataFrame, queues: DataFrame, *, plain: bool = False) -> DataFrame:
+def queue_positions(
+    won: DataFrame, queues: DataFrame, *, plain: bool = False, one_task: bool = False
+) -> DataFrame:
     """Where each winning COMMIT goes: dense queue offsets per (topic,
     queue_id), continuing the previous maximum, in commit order; `commit_ms`
     is the winning OP's store time.
@@ -593,13 +595,20 @@ def queue_positions(won: DataFrame, queues: DataFrame, *, plain: bool = False) -
     two are merged by commit time: a message is placed by the latest
     (commit_ms, offset) among its kind's messages of the queue up to it,
     ties going to the COMMIT OPs (docs/protocol.md §4.3).
+
+    `one_task`: the winners are few enough to be placed by one task, which
+    needs no shuffle (a Spark job of its own) to bring each queue's rows
+    together.
     """
-    base = queues.select("topic", "queue_id", "next_queue_offset")
+    # a row per queue: sent whole to the tasks, which keep their partitioning
+    base = F.broadcast(queues.select("topic", "queue_id", "next_queue_offset"))
     order = Window.partitionBy("topic", "queue_id").orderBy(*_merge_order(plain))
     # only what the ordering and the fate need: every row goes through a sort
     wanted = ["half_offset", "topic", "queue_id", "commit_version", "op_offset", "op_store_ms"]
     wanted += ["source"] + (["due_ms"] if "due_ms" in won.columns else [])
     rows = won.where(F.col("action") == Action.COMMIT).select(*wanted)
+    if one_task:
+        rows = rows.coalesce(1)
     return (
         _with_merge_key(rows, plain)
         .join(base, ["topic", "queue_id"], "left")

@@ -467,7 +467,13 @@ def test_ops_naming_no_live_message_are_classified_again_against_the_history(spa
 # --- deliveries ------------------------------------------------------------------------
 
 
-def test_deliveries_dense_per_queue_in_commit_order_continuing_previous(spark):
+def _shuffles_by_queue(df) -> bool:
+    plan = df._jdf.queryExecution().executedPlan().toString()
+    return "Exchange hashpartitioning(topic#" in plan
+
+
+@pytest.mark.parametrize("one_task", [False, True])
+def test_deliveries_dense_per_queue_in_commit_order_continuing_previous(spark, one_task):
     r = rules()
     hs = [
         fx.half(1, queue_id=0),
@@ -489,7 +495,8 @@ def test_deliveries_dense_per_queue_in_commit_order_continuing_previous(spark):
         [{"topic": "ORDER", "queue_id": 0, "next_queue_offset": 10, "run_number": 3}],
         spark_schema(QUEUES),
     )
-    positions = T.queue_positions(won, queues)
+    positions = T.queue_positions(won, queues, one_task=one_task)
+    assert _shuffles_by_queue(positions) is not one_task  # one task: no shuffle by queue
     settled = T.with_bodies(positions, live)
     got = T.deliveries(settled, r).select("topic", "queue_id", "queue_offset", "half_offset")
     expected = spark.createDataFrame(
@@ -501,7 +508,8 @@ def test_deliveries_dense_per_queue_in_commit_order_continuing_previous(spark):
     assert sorted(map(tuple, nxt.collect())) == [("ORDER", 0, 12), ("ORDER", 1, 1), ("PAY", 0, 1)]
 
 
-def test_plain_messages_merge_with_commits_by_commit_time_each_kind_in_its_order(spark):
+@pytest.mark.parametrize("one_task", [False, True])
+def test_plain_messages_merge_with_commits_by_commit_time_each_kind_in_its_order(spark, one_task):
     """docs/protocol.md §4.3: COMMIT OPs keep their commit order (OP version,
     op_offset), plain messages theirs (half version, half_offset), and the
     two interleave by commit time; a message stored with an earlier time
@@ -531,7 +539,9 @@ def test_plain_messages_merge_with_commits_by_commit_time_each_kind_in_its_order
         spark_schema(QUEUES),
     )
     every = won.unionByName(T.plain_winners(plain))
-    placed = T.queue_positions(every, queues, plain=True).orderBy("queue_offset").collect()
+    placed = T.queue_positions(every, queues, plain=True, one_task=one_task)
+    assert _shuffles_by_queue(placed) is not one_task
+    placed = placed.orderBy("queue_offset").collect()
     assert [(r["half_offset"], r["queue_offset"], r["commit_ms"]) for r in placed] == [
         (11, 5, 100),
         (13, 6, 120),
