@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
@@ -238,3 +239,17 @@ def job_outputs(warehouse: str) -> dict[str, list]:
 def _unordered(value):
     """Maps compare as sets of entries: Delta does not promise their order."""
     return sorted(value) if isinstance(value, list) else value
+
+
+@contextmanager
+def arrow_frames_parallelized(spark) -> Iterator[None]:
+    """Within it, Spark parallelizes every DataFrame made from Arrow, as it
+    does those over its local-relation threshold (48 MB: the backlog of a
+    steady load), where it makes a partition of each Arrow chunk."""
+    key = "spark.sql.execution.arrow.localRelationThreshold"
+    kept = spark.conf.get(key)
+    spark.conf.set(key, "0")
+    try:
+        yield
+    finally:
+        spark.conf.set(key, kept)

@@ -60,15 +60,10 @@ def test_the_rows_the_driver_reads_reach_spark_in_few_partitions_not_one_per_fil
     path = table_path(warehouse, HALF)
     upto = DeltaTable(path).version()
     monkeypatch.setattr(appends, "DRIVER_READ_MIN_FILES", 3)
-    threshold = "spark.sql.execution.arrow.localRelationThreshold"
-    kept = spark.conf.get(threshold)
-    spark.conf.set(threshold, "0")  # as for the megabytes a steady load brings
-    try:
+    with fx.arrow_frames_parallelized(spark):
         rows = inputs.added_rows(spark, path, HALF, 0, upto)
         assert rows.rdd.getNumPartitions() == 1
         _same_as_change_feed(spark, path, 0, upto)
-    finally:
-        spark.conf.set(threshold, kept)
 
 
 def test_appends_and_a_compaction_are_read_as_parquet_like_the_change_feed(spark, warehouse):

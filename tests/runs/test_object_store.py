@@ -35,6 +35,7 @@ from txn_core.consumer import read_topic
 from txn_core.maintenance import maintain
 from txn_core.storage import Storage, StorageError, options_for, use
 
+import factories as fx
 from conftest import REPO, S3_KEY_ID, S3_SECRET, S3Server
 
 S = LocalTransactionState
@@ -201,10 +202,11 @@ def test_a_second_run_on_s3_exits_75_while_the_lease_is_held(s3):
 # --- the job's reads ---------------------------------------------------------------------
 
 
-def test_the_job_reads_appended_rows_and_snapshots_as_parquet_on_s3(spark, s3):
+def test_the_job_reads_appended_rows_and_snapshots_as_parquet_on_s3(spark, s3, monkeypatch):
     """The log entries are fetched from the store, so the job reads a
     producer table's new files as parquet there too, not through the change
-    data feed's row-by-row reader; the rows are the same."""
+    data feed's row-by-row reader; the rows are the same. Many small files
+    are fetched by the driver and reach Spark in one partition."""
     from jobs import appends, inputs
     from jobs.session import use_warehouse
 
@@ -227,6 +229,13 @@ def test_the_job_reads_appended_rows_and_snapshots_as_parquet_on_s3(spark, s3):
         (r.half_offset, r.commit_version) for r in slow.collect()
     )
     assert all(f.startswith("s3a://") for f in appends.snapshot_files(path, upto))
+    monkeypatch.setattr(appends, "DRIVER_READ_MIN_FILES", 2)
+    with fx.arrow_frames_parallelized(spark):
+        by_driver = inputs.added_rows(spark, path, HALF, 0, upto)
+        assert by_driver.rdd.getNumPartitions() == 1
+        assert sorted((r.half_offset, r.commit_version, r.body) for r in by_driver.collect()) == (
+            sorted((r.half_offset, r.commit_version, r.body) for r in fast.collect())
+        )
 
 
 def test_the_jobs_writes_are_committed_by_delta_rs_on_s3_collected_or_spark_written(spark, s3):
@@ -458,7 +467,6 @@ def _outputs(warehouse: str) -> dict[str, list]:
 
 def _seed(settings: dict) -> None:
     """Producer rows written directly: a commit, a rollback, one left to check."""
-    import factories as fx
 
     cfg = load_config(env={}, **settings)
     wh = use(Storage.from_config(cfg)).warehouse
@@ -479,8 +487,6 @@ def test_deliveries_too_big_for_the_driver_are_written_topic_by_topic_on_s3(spar
     from jobs import commits, driver_writes
     from jobs.faults import InjectedFault
     from jobs.reconcile import recover
-
-    import factories as fx
 
     monkeypatch.setattr(driver_writes, "NARROW_MAX_ROWS", -1)
     monkeypatch.setattr(driver_writes, "MESSAGE_MAX_ROWS", -1)
