@@ -43,12 +43,6 @@ DEFAULT_CHECKPOINT_INTERVAL = 10
 STRING_PREFIX = 32
 
 
-def splittable(path: str, df: DataFrame):
-    """`committable`, for `stage_split`: on a local disk only, where a file
-    moves from one table's directory to another's by a rename (on S3, a copy)."""
-    return committable(path, df) if local_path(path) is not None else None
-
-
 def committable(path: str, df: DataFrame):
     """The delta-rs table at `path` when this module (`write`) or the driver
     (`jobs.driver_writes`) can commit `df`'s rows to it — the commit Delta's
@@ -112,45 +106,57 @@ def stage(df: DataFrame, table) -> list:
         _writer(df.select(*_not_null_checked(df, table_schema(table), root))).parquet(staging)
         return {0: staging}
 
-    return _staged({0: table}, write)[0]
+    return _staged({0: table}, write, 0)[0]
 
 
-def stage_split(df: DataFrame, column: str, tables: dict) -> dict[str, list]:
+def stage_split(df: DataFrame, column: str, tables: dict, home=None) -> dict[str, list]:
     """`stage` for several tables in one Spark job: each row of `df` goes to
     the table `tables` names for its `column` value (each table `committable`
     for `df` without `column`; rows of other values are not written). The
-    `add` actions by value.
+    `add` actions by value. `home`: the value whose table Spark writes in
+    (on S3 the other tables' files are copied from it: the one with most
+    rows), the first by default.
 
     Why: one job reads `df` once, where one write per table reads all of it
     each time to keep its own rows.
     """
-    values = sorted(tables)
-    where = ", ".join(local_path(tables[v].table_uri) for v in values)
+    home = min(tables) if home is None else home
+    if local_path(tables[home].table_uri) is None:
+        return _stage_split_on_s3(df, column, tables, home)
 
     def write(staging: str) -> dict:
-        strictest = _strictest_schema([table_schema(tables[v]) for v in values])
-        rows = df.where(F.col(column).isin(values))
-        index = F.create_map(*[F.lit(x) for i, v in enumerate(values) for x in (v, i)])
-        checked = _not_null_checked(rows.drop(column), strictest, where)
-        (
-            _writer(rows.select(*checked, index[F.col(column)].alias(_SPLIT_COLUMN)))
-            .partitionBy(_SPLIT_COLUMN)
-            .parquet(staging)
-        )
-        return {v: os.path.join(staging, f"{_SPLIT_COLUMN}={i}") for i, v in enumerate(values)}
+        return _write_split(df, column, tables, staging)
 
-    return _staged(tables, write)
+    return _staged(tables, write, home)
 
 
-def _staged(tables: dict, write) -> dict:
+def _write_split(df: DataFrame, column: str, tables: dict, staging: str) -> dict:
+    """Write `df`'s rows for `tables` into `staging`, a directory for each
+    table (`_SPLIT_COLUMN`); those directories by value (one without rows
+    is not made)."""
+    values = sorted(tables)
+    where = ", ".join(local_path(tables[v].table_uri) or tables[v].table_uri for v in values)
+    strictest = _strictest_schema([table_schema(tables[v]) for v in values])
+    rows = df.where(F.col(column).isin(values))
+    index = F.create_map(*[F.lit(x) for i, v in enumerate(values) for x in (v, i)])
+    checked = _not_null_checked(rows.drop(column), strictest, where)
+    (
+        _writer(rows.select(*checked, index[F.col(column)].alias(_SPLIT_COLUMN)))
+        .partitionBy(_SPLIT_COLUMN)
+        .parquet(staging)
+    )
+    return {v: f"{staging}/{_SPLIT_COLUMN}={i}" for i, v in enumerate(values)}
+
+
+def _staged(tables: dict, write, home) -> dict:
     """Clear what an earlier crash left staged in the tables, let `write(staging)`
-    write the files in a new staging directory (inside the first table, so
+    write the files in a new staging directory (inside `home`'s table, so
     that the files move by a rename) and say where each table's files are,
     move them into their tables; the `add` actions by table."""
     roots = {key: local_path(table.table_uri) for key, table in tables.items()}
     for root in roots.values():
         _remove_staging(root)
-    staging = _new_staging(roots[min(tables)])
+    staging = _new_staging(roots[home])
     written = write(staging)
     staged = {}
     for key, table in tables.items():
@@ -161,41 +167,119 @@ def _staged(tables: dict, write) -> dict:
     return staged
 
 
+def _stage_split_on_s3(df: DataFrame, column: str, tables: dict, home) -> dict[str, list]:
+    """`stage_split` on S3: Spark writes every table's files into a staging
+    directory of `home`'s table (`S3_STAGING_PREFIX`), where `home`'s stay;
+    each other table's are copied by the store (no byte passes through this
+    process) into a staging directory of that table, then deleted where
+    Spark wrote them. A crash midway leaves only files no commit names,
+    which VACUUM deletes."""
+    name = S3_STAGING_PREFIX + uuid.uuid4().hex
+    home_uri = tables[home].table_uri.rstrip("/")
+    written = _write_split(df, column, tables, f"{home_uri}/{name}")
+    storage = registered(home_uri)
+    client = storage.s3_client()
+    staging_key = f"{_key(home_uri)}/{name}/"
+    files = _listed(client, storage.bucket, staging_key)
+    staged = {}
+    for value, table in tables.items():
+        subdir = written[value].rsplit("/", 1)[1] + "/"
+        own = [f for f in files if f["Key"].startswith(staging_key + subdir)]
+        if value == home:
+            staged[value] = _s3_adds(table, client, storage.bucket, own, f"{_key(home_uri)}/")
+            continue
+        uri = table.table_uri.rstrip("/")
+        copied = _copied(client, storage.bucket, own, f"{_key(uri)}/{name}/")
+        staged[value] = _s3_adds(table, client, storage.bucket, copied, f"{_key(uri)}/")
+        _deleted(client, storage.bucket, [f["Key"] for f in own])
+    return staged
+
+
 def _stage_on_s3(df: DataFrame, table) -> list:
     """`stage` on S3: the files stay where Spark wrote them, in a directory of
     their own inside the table (`S3_STAGING_PREFIX`), named by their `add`
-    actions; their sizes from one listing, their statistics from their
-    footers (a ranged GET each)."""
+    actions."""
     uri = table.table_uri.rstrip("/")
     name = S3_STAGING_PREFIX + uuid.uuid4().hex
     _writer(df.select(*_not_null_checked(df, table_schema(table), uri))).parquet(f"{uri}/{name}")
     storage = registered(uri)
     client = storage.s3_client()
-    prefix = f"{uri.split('://', 1)[1].partition('/')[2]}/{name}/"
-    files = [
-        obj
-        for page in client.get_paginator("list_objects_v2").paginate(
-            Bucket=storage.bucket, Prefix=prefix
-        )
-        for obj in page.get("Contents", [])
-        if obj["Key"].endswith(".parquet") and "/" not in obj["Key"][len(prefix) :]
-    ]
+    files = _listed(client, storage.bucket, f"{_key(uri)}/{name}/")
+    return _s3_adds(table, client, storage.bucket, files, f"{_key(uri)}/")
+
+
+def _key(uri: str) -> str:
+    """The object key of an S3 URI's path (without the bucket)."""
+    return uri.split("://", 1)[1].partition("/")[2].rstrip("/")
+
+
+def _listed(client, bucket: str, prefix: str) -> list[dict]:
+    """The parquet objects under `prefix` (a listing: key, size, time), by key."""
+    return sorted(
+        (
+            obj
+            for page in client.get_paginator("list_objects_v2").paginate(
+                Bucket=bucket, Prefix=prefix
+            )
+            for obj in page.get("Contents", [])
+            if obj["Key"].endswith(".parquet")
+        ),
+        key=lambda o: o["Key"],
+    )
+
+
+def _s3_adds(table, client, bucket: str, files: list[dict], root_key: str) -> list:
+    """The `add` actions of the table's staged `files` (a listing, keys under
+    the table's `root_key`): their sizes from the listing, their statistics
+    from their footers (a ranged GET each). A file without rows (Spark
+    writes one for an empty DataFrame) is deleted instead."""
     indexed = _indexed_columns(table_schema(table), table.metadata().configuration)
     adds = []
-    for obj in sorted(files, key=lambda o: o["Key"]):
-        metadata = _footer(client, storage.bucket, obj["Key"], obj["Size"])
-        if metadata.num_rows == 0:  # Spark writes one for an empty DataFrame
-            client.delete_object(Bucket=storage.bucket, Key=obj["Key"])
+    for obj in files:
+        metadata = _footer(client, bucket, obj["Key"], obj["Size"])
+        if metadata.num_rows == 0:
+            client.delete_object(Bucket=bucket, Key=obj["Key"])
             continue
         adds.append(
             _add(
-                f"{name}/{obj['Key'][len(prefix) :]}",
+                obj["Key"][len(root_key) :],
                 obj["Size"],
                 int(obj["LastModified"].timestamp() * 1000),
                 file_stats(metadata, indexed, string_prefix=STRING_PREFIX),
             )
         )
     return adds
+
+
+#: S3 copies made at once
+S3_PARALLEL_REQUESTS = 16
+#: S3 copies an object this big or bigger only in parts
+S3_COPY_MAX_BYTES = 5 * 1024**3
+
+
+def _copied(client, bucket: str, files: list[dict], into: str) -> list[dict]:
+    """Copy `files` (a listing) into the prefix `into`, keeping their names,
+    by the store itself (multipart for the largest); the copies' listing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def copy(obj: dict) -> dict:
+        key = into + obj["Key"].rsplit("/", 1)[1]
+        source = {"Bucket": bucket, "Key": obj["Key"]}
+        if obj["Size"] < S3_COPY_MAX_BYTES:
+            client.copy_object(Bucket=bucket, Key=key, CopySource=source)
+        else:
+            client.copy(source, bucket, key)  # boto3's managed copy: in parts
+        return {**obj, "Key": key}
+
+    with ThreadPoolExecutor(S3_PARALLEL_REQUESTS, thread_name_prefix="s3-copy") as pool:
+        return list(pool.map(copy, files))
+
+
+def _deleted(client, bucket: str, keys: list[str]) -> None:
+    """Delete the objects `keys`, a thousand a request (S3's limit)."""
+    for i in range(0, len(keys), 1000):
+        batch = [{"Key": k} for k in keys[i : i + 1000]]
+        client.delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
 
 
 #: a parquet file's last bytes fetched first, which hold a small footer whole
@@ -220,7 +304,7 @@ def _footer(client, bucket: str, key: str, size: int):
 
 
 #: the column `stage_split` partitions its one write by: the target's index
-_SPLIT_COLUMN = "_txn_target"
+_SPLIT_COLUMN = "txn_target"
 
 
 def commit(table, adds: list, mode: str, user_metadata: str) -> int:

@@ -70,26 +70,23 @@ def write_for_run(
     return True
 
 
-def split_tables(
-    df: DataFrame, column: str, paths: dict[str, str], *, collected: bool = False
-) -> dict | None:
+def split_tables(df: DataFrame, column: str, paths: dict[str, str]) -> dict | None:
     """The tables of `paths` (by value of `column`) opened for `split_commits`,
-    or None unless `jobs.commits` can write every one of them the rows of
-    `df` in one Spark job (`commits.splittable`; else `write_for_run`, one
-    table at a time). `collected`: for rows the driver collects, which every
-    table taking delta-rs' commits can be given (`commits.committable`)."""
+    or None unless `jobs.commits` can commit the rows of `df` to every one of
+    them (`commits.committable`; else `write_for_run`, one table at a time)."""
     rows = df.drop(column)
-    opened = commits.committable if collected else commits.splittable
-    tables = {value: opened(path, rows) for value, path in paths.items()}
+    tables = {value: commits.committable(path, rows) for value, path in paths.items()}
     return None if any(table is None for table in tables.values()) else tables
 
 
-def split_commits(df: DataFrame, column: str, tables: dict) -> dict[str, Callable[[str], int]]:
+def split_commits(
+    df: DataFrame, column: str, tables: dict, home=None
+) -> dict[str, Callable[[str], int]]:
     """Stage the rows of `df` for `tables` (`split_tables`), each row to the
-    table of its `column` value, in one Spark job (`commits.stage_split`);
-    each table's append as a function of its commit's userMetadata
-    (`run_tag`)."""
-    staged = commits.stage_split(df, column, tables)
+    table of its `column` value, in one Spark job (`commits.stage_split`,
+    written in `home`'s table); each table's append as a function of its
+    commit's userMetadata (`run_tag`)."""
+    staged = commits.stage_split(df, column, tables, home)
     return {
         value: functools.partial(commits.commit, tables[value], staged[value], "append")
         for value in tables

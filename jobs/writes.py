@@ -68,24 +68,21 @@ class RunWrites:
 
 def start_deliveries(wh: str, delivered, topics: dict[str, int], writes: RunWrites) -> None:
     """Start writing `delivered` (TOPIC rows with their `topic`) to the
-    tables of `topics` (rows by topic): few rows, collected by the driver
-    once and committed to each table (`_put_collected_deliveries`); else in
-    one Spark job when `jobs.commits` can write them all (`_put_deliveries`);
-    else one write per topic (`_put_each_topic`)."""
+    tables of `topics` (rows by topic) when `jobs.commits` can commit to
+    them all: few rows collected by the driver once and committed to each
+    table (`_put_collected_deliveries`), more written by one Spark job
+    (`_put_deliveries`); else one write per topic (`_put_each_topic`)."""
     paths = {
         topic: job_tables.ensure_topic_table(wh, topic)  # creating one is a commit too
         for topic in topics
     }
-    if writes.collects(sum(topics.values()), delivered.columns):
-        tables = tagged_writes.split_tables(delivered, "topic", paths, collected=True)
-        if tables is not None:
-            writes.submit(_put_collected_deliveries, delivered, tables)
-            return
     tables = tagged_writes.split_tables(delivered, "topic", paths)
-    if tables is not None:
-        writes.submit(_put_deliveries, delivered, tables)
-        return
-    writes.submit(_put_each_topic, delivered, paths)
+    if tables is None:
+        writes.submit(_put_each_topic, delivered, paths)
+    elif writes.collects(sum(topics.values()), delivered.columns):
+        writes.submit(_put_collected_deliveries, delivered, tables)
+    else:
+        writes.submit(_put_deliveries, delivered, tables, topics)
 
 
 def _put(
@@ -96,16 +93,20 @@ def _put(
     fault_point(f"after:{app}")
 
 
-def _put_deliveries(delivered, tables: dict, run_number: int, lease: Lease, redo: bool) -> None:
+def _put_deliveries(
+    delivered, tables: dict, rows: dict, run_number: int, lease: Lease, redo: bool
+) -> None:
     """Each topic's rows of `delivered` appended to its table (`tables`,
-    `tagged_writes.split_tables`): all of them written by one Spark job, then one
-    tagged commit per topic. A redo writes only the topics its crashed
-    attempt did not commit."""
+    `tagged_writes.split_tables`): all of them written by one Spark job, in
+    the table of the topic with most `rows` (on S3 the others' files are
+    copied from there), then one tagged commit per topic. A redo writes
+    only the topics its crashed attempt did not commit."""
     todo = _topics_to_write(tables, run_number, redo)
     if not todo:
         return
     lease.keep_alive()  # never write once another run may have taken over
-    append = tagged_writes.split_commits(delivered, "topic", todo)
+    home = max(sorted(todo), key=lambda topic: rows[topic])
+    append = tagged_writes.split_commits(delivered, "topic", todo, home)
     for topic in sorted(todo):
         lease.keep_alive()
         append[topic](tagged_writes.run_tag(run_number, _app(topic)))
@@ -131,8 +132,9 @@ def _put_collected_deliveries(
 
 def _put_each_topic(delivered, paths: dict, run_number: int, lease: Lease, redo: bool) -> None:
     """Each topic's rows of `delivered` appended to its table (`paths`), one
-    write each (`tagged_writes.write_for_run`: on S3, Spark's files committed
-    by delta-rs; on other stores, Delta's writer), all topics at once. For
+    write each (`tagged_writes.write_for_run`: where `jobs.commits` cannot
+    commit to one of the tables, such as on ADLS or GCS, or a table with a
+    CHECK constraint), all topics at once. For
     more than one, the rows are computed once and kept (`jobs.held`), where
     each write would otherwise compute all of them (the messages' bodies
     read and joined) to keep its own."""

@@ -254,7 +254,7 @@ def test_the_jobs_writes_are_committed_by_delta_rs_on_s3_collected_or_spark_writ
     job_tables.ensure_job_tables(cfg.warehouse)
     path = table_path(cfg.warehouse, QUEUES)
     rows = spark.createDataFrame([("ORDER", 0, 5, 1), ("PAY", 1, 9, 1)], spark_schema(QUEUES))
-    assert commits.committable(path, rows) and commits.splittable(path, rows) is None
+    assert commits.committable(path, rows)
     assert commits.committable("s3a://unregistered-bucket/_sys/queues", rows) is None
 
     def table() -> DeltaTable:
@@ -478,26 +478,33 @@ def _seed(settings: dict) -> None:
 
 
 @pytest.mark.slow
-def test_deliveries_too_big_for_the_driver_are_written_topic_by_topic_on_s3(spark, s3, monkeypatch):
-    """Where the driver may not collect them and one Spark job may not write
-    them all (S3: a file would be copied from one table to another), each
-    topic's rows are written by Spark into its table and committed, the
-    rows kept once for all topics; a crash between two topics' commits is
-    redone exactly once."""
-    from jobs import commits, driver_writes
+def test_deliveries_too_big_for_the_driver_are_written_by_one_spark_job_on_s3(
+    spark, s3, monkeypatch
+):
+    """Where the driver may not collect them, every topic's rows are written
+    by one Spark job into the table of the topic with most rows; the other
+    topics' files are copied by the store into their own tables and deleted
+    where they were written; a crash between two topics' commits is redone
+    exactly once. A topic table with a CHECK constraint makes each topic's
+    rows a write of their own (Delta's writer for that table), with the
+    same outcome."""
+    from jobs import commits, driver_writes, job_tables
     from jobs.faults import InjectedFault
     from jobs.reconcile import recover
 
     monkeypatch.setattr(driver_writes, "NARROW_MAX_ROWS", -1)
     monkeypatch.setattr(driver_writes, "MESSAGE_MAX_ROWS", -1)
     results = {}
-    for name, crash in (("clean", None), ("crashed", "after:topics/ORDER")):
+    for name, crash in (("clean", None), ("crashed", "after:topics/ORDER"), ("constrained", None)):
         cfg = load_config(env={}, **s3.config())
         wh = use(Storage.from_config(cfg)).warehouse
         topics = ["ORDER", "ORDER", "PAY"]
         rows = [fx.half(i, store_ms=T - 100_000, topic=t) for i, t in enumerate(topics)]
         fx.write_halves(wh, *rows)
         fx.write_ops(wh, *[fx.op(r, op_offset=100 + i) for i, r in enumerate(rows)])
+        if name == "constrained":
+            pay = job_tables.ensure_topic_table(wh, "PAY")
+            spark.sql(f"ALTER TABLE delta.`{pay}` ADD CONSTRAINT c CHECK (queue_offset >= 0)")
         if crash:
             monkeypatch.setenv("TXN_FAULT_AT", crash)
             with pytest.raises(InjectedFault):
@@ -507,13 +514,46 @@ def test_deliveries_too_big_for_the_driver_are_written_topic_by_topic_on_s3(spar
         else:
             assert reconcile(spark, cfg, now_ms=T).delivered_by_topic == {"ORDER": 2, "PAY": 1}
         results[name] = _outputs(wh)
-        pay = topic_path(wh, "PAY")
-        files = pa.table(
-            DeltaTable(pay, storage_options=options_for(pay)).get_add_actions(flatten=False)
-        )["path"].to_pylist()
-        assert files and all(f.startswith(commits.S3_STAGING_PREFIX) for f in files)
         assert sorted(r["half_offset"] for r in _rows(topic_path(wh, "ORDER"))) == [0, 1]
-    assert results["crashed"] == results["clean"]
+        staged = {t: _staged_objects(topic_path(wh, t)) for t in ("ORDER", "PAY")}
+        added = {t: _added_paths(topic_path(wh, t)) for t in ("ORDER", "PAY")}
+        if name == "constrained":  # PAY by Delta's writer: files at the table's root
+            assert added["PAY"] and not staged["PAY"]
+            assert not any(p.startswith(commits.S3_STAGING_PREFIX) for p in added["PAY"])
+        if name != "clean":  # a crash leaves files no commit names, for VACUUM
+            continue
+        # every file the job wrote is one a commit names: the copied ones deleted
+        assert staged == {t: set(paths) for t, paths in added.items()}
+        # ORDER's files where Spark wrote them; PAY's copied into PAY's table
+        assert all("/txn_target=" in p for p in added["ORDER"]), added
+        assert added["PAY"] and all(p.count("/") == 1 for p in added["PAY"]), added
+    assert results["crashed"] == results["clean"] == results["constrained"]
+
+
+def _added_paths(uri: str) -> list[str]:
+    table = DeltaTable(uri, storage_options=options_for(uri))
+    return pa.table(table.get_add_actions(flatten=False))["path"].to_pylist()
+
+
+def _staged_objects(uri: str) -> set[str]:
+    """The parquet objects in the table's staging directories, as paths
+    relative to the table."""
+    from jobs import commits
+    from txn_core.storage import registered
+
+    storage = registered(uri)
+    root = uri.split("://", 1)[1].partition("/")[2].rstrip("/") + "/"
+    pages = (
+        storage.s3_client()
+        .get_paginator("list_objects_v2")
+        .paginate(Bucket=storage.bucket, Prefix=root + commits.S3_STAGING_PREFIX)
+    )
+    return {
+        o["Key"][len(root) :]
+        for page in pages
+        for o in page.get("Contents", [])
+        if o["Key"].endswith(".parquet")
+    }
 
 
 @pytest.mark.slow
