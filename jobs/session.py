@@ -59,6 +59,11 @@ _DEFAULTS = {
     # Keep the shuffle's equal partitions: AQE merged the 4 of a million-row
     # stage into 3 unequal ones, and on 2 cores the largest then ran alone.
     "spark.sql.adaptive.coalescePartitions.enabled": "false",
+    # Spark may add a bloom filter to a join, built by a scan of its own of
+    # the other side: in a run that was one more pass over the new messages
+    # (and an aggregate) ahead of the deliveries' write, where every join
+    # with a big side is broadcast or planned by the job.
+    "spark.sql.optimizer.runtime.bloomFilter.enabled": "false",
     "spark.databricks.delta.schema.autoMerge.enabled": "false",
     # Data we write is small per commit; no need for Delta's optimized writes etc.
     "spark.databricks.delta.retentionDurationCheck.enabled": "true",
