@@ -219,17 +219,32 @@ def read_appended(
         DRIVER_READ_MAX_BYTES
     ):
         return _read_in_driver(spark, files, table)
+    rows = spark.read.schema(spark_schema(table)).parquet(*[f for _, f, _ in files])
+    if len(files) <= VERSION_MAP_MAX_FILES:
+        return rows.select(*table.names, _commit_version(files).alias("commit_version"))
     versions = local_frame(spark, [(os.path.basename(f), v) for v, f, _ in files], _FILE_VERSIONS)
-    rows = (
-        spark.read.schema(spark_schema(table))
-        .parquet(*[f for _, f, _ in files])
-        .withColumn("_file", F.col("_metadata.file_name"))
-    )
     return (
-        rows.join(F.broadcast(versions), "_file")
+        rows.withColumn("_file", F.col("_metadata.file_name"))
+        .join(F.broadcast(versions), "_file")
         .drop("_file")
         .select(*table.names, "commit_version")
     )
+
+
+#: up to this many files read by Spark, each row's commit version comes
+#: from an expression on its file's name; more are joined with a table of
+#: them, a broadcast of its own (32 MB of hash table even for one file)
+VERSION_MAP_MAX_FILES = 256
+
+
+def _commit_version(files: list[tuple[int, str, int]]):
+    """The version that added each row's file, as an expression: a literal
+    when every file came in one commit, else a lookup of its name."""
+    versions = {v for v, _, _ in files}
+    if len(versions) == 1:
+        return F.lit(versions.pop())
+    by_name = [F.lit(x) for v, f, _ in files for x in (os.path.basename(f), v)]
+    return F.element_at(F.create_map(*by_name), F.col("_metadata.file_name"))
 
 
 def _read_in_driver(

@@ -66,7 +66,15 @@ def test_the_rows_the_driver_reads_reach_spark_in_few_partitions_not_one_per_fil
         _same_as_change_feed(spark, path, 0, upto)
 
 
-def test_appends_and_a_compaction_are_read_as_parquet_like_the_change_feed(spark, warehouse):
+@pytest.mark.parametrize("by_expression", [True, False])
+def test_appends_and_a_compaction_are_read_as_parquet_like_the_change_feed(
+    spark, warehouse, monkeypatch, by_expression
+):
+    """Each row with the version that added its file: up to
+    `VERSION_MAP_MAX_FILES` files, from an expression on the file's name
+    (no join); more, by a join with a table of the files."""
+    if not by_expression:
+        monkeypatch.setattr(appends, "VERSION_MAP_MAX_FILES", 0)
     for i in range(3):
         fx.write_halves(warehouse, fx.half(2 * i), fx.half(2 * i + 1))
     path = table_path(warehouse, HALF)
@@ -85,6 +93,12 @@ def test_appends_and_a_compaction_are_read_as_parquet_like_the_change_feed(spark
         for r in inputs.added_rows(spark, path, HALF, 0, upto).collect()
     }
     assert by_offset == {0: 1, 1: 1, 2: 2, 3: 2, 4: 3, 5: 3, 6: 5}
+    plan = inputs.added_rows(spark, path, HALF, 0, upto)._jdf.queryExecution().toString()
+    assert ("Join" not in plan) == by_expression
+    one_commit = inputs.added_rows(spark, path, HALF, 1, 2)  # a literal version
+    assert sorted(
+        tuple(r) for r in one_commit.select("half_offset", "commit_version").collect()
+    ) == [(2, 2), (3, 2)]
 
 
 def test_a_delete_in_the_range_falls_back_to_the_change_feed(spark, warehouse):
