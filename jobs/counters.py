@@ -123,6 +123,13 @@ class Counters:
             ).alias("next_due_ms"),
         )
 
+    def bodies(self, rows: DataFrame) -> DataFrame:
+        """`rows` (messages with their bodies), with the bytes of their bodies
+        counted (`_body_bytes`): what collecting them would hold."""
+        return self._observe(
+            "bodies", rows, F.expr("coalesce(sum(length(body)), 0)").alias("_body_bytes")
+        )
+
     def values(self) -> dict:
         """Every counter observed so far; waits for the actions that compute them.
         `committed` counts the plain messages (`plain`, delivered by the run

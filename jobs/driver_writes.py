@@ -32,13 +32,18 @@ BODY_BYTES_MAX = 256 * 1024 * 1024
 MESSAGE_MAX_ROWS = 50_000
 
 
-def fits(rows: int, columns: Iterable[str], max_body_bytes: int) -> bool:
+def fits(
+    rows: int, columns: Iterable[str], max_body_bytes: int, body_bytes: int | None = None
+) -> bool:
     """Whether a write of `rows` rows with these columns is collected by the
     driver: few enough rows, and for rows carrying a message body, few enough
-    that bodies of `max_body_bytes` each would fit in `BODY_BYTES_MAX`."""
+    that their bodies fit in `BODY_BYTES_MAX`: `body_bytes` when the run
+    counted them, else as if each body were of `max_body_bytes`."""
     if "body" not in columns:
         return rows <= NARROW_MAX_ROWS
-    return rows <= min(MESSAGE_MAX_ROWS, BODY_BYTES_MAX // max(max_body_bytes, 1))
+    if body_bytes is None:
+        body_bytes = rows * max(max_body_bytes, 1)
+    return rows <= MESSAGE_MAX_ROWS and body_bytes <= BODY_BYTES_MAX
 
 
 def collect(df: DataFrame) -> pa.Table:

@@ -71,6 +71,8 @@ class Outputs:
     pending: object
     counts: dict = field(default_factory=dict)
     delivered_by_topic: dict = field(default_factory=dict)
+    #: the bytes of the bodies of the messages not delivered, when counted
+    undelivered_body_bytes: int | None = None
 
 
 def compute(
@@ -272,8 +274,10 @@ def compute(
     undelivered = T.with_bodies(
         decided, known, broadcast=_undelivered_rows(c) <= BROADCAST_MAX_ROWS
     )
+    body_bytes = None
     if writing and len(_tables_of_undelivered(c)) > 1:
-        undelivered = held.checkpoint(undelivered)
+        undelivered = held.checkpoint(counted.bodies(undelivered))
+        body_bytes = counted.values()["_body_bytes"]
 
     def with_decision(*decisions: str):
         return undelivered.where(F.col("decision").isin(*decisions))
@@ -285,6 +289,7 @@ def compute(
         pending=T.next_pending(with_decision(Decision.CHECK, Decision.WAIT), rules),
         counts=c,
         delivered_by_topic=delivered_by_topic,
+        undelivered_body_bytes=body_bytes,
     )
 
 
@@ -437,7 +442,9 @@ def write_outputs(wh: str, out: Outputs, writes: RunWrites) -> None:
     """Write every output table of the run but those `compute` started
     (`_sys/queues`, `_sys/resolved`, the topics), and wait for all."""
     for df, path, app, mode, rows in _output_writes(wh, out):
-        writes.start(df, path, app, mode, rows)
+        # each of these tables takes some of the undelivered messages
+        body_bytes = None if app == REJECTED.path else out.undelivered_body_bytes
+        writes.start(df, path, app, mode, rows, body_bytes)
     writes.finish()
 
 

@@ -33,15 +33,26 @@ class RunWrites:
         self._pool = ThreadPoolExecutor(PARALLEL_WRITES, thread_name_prefix="write")
         self._started: list = []
 
-    def start(self, df, path: str, app: str, mode: str, rows: int | None = None) -> None:
+    def start(
+        self,
+        df,
+        path: str,
+        app: str,
+        mode: str,
+        rows: int | None = None,
+        body_bytes: int | None = None,
+    ) -> None:
         """Write `df` to the table at `path` as the run's commit of `app`;
-        `rows`: how many rows it has, when known (few: the driver collects
-        and commits them, `jobs.driver_writes`)."""
-        self.submit(_put, df, path, app, mode, self.collects(rows, df.columns))
+        `rows`: how many rows it has, when known, and `body_bytes`: at most
+        how many bytes their message bodies take, when counted (few: the
+        driver collects and commits them, `jobs.driver_writes`)."""
+        self.submit(_put, df, path, app, mode, self.collects(rows, df.columns, body_bytes))
 
-    def collects(self, rows: int | None, columns) -> bool:
+    def collects(self, rows: int | None, columns, body_bytes: int | None = None) -> bool:
         """Whether a write of `rows` rows of these columns goes through the driver."""
-        return rows is not None and driver_writes.fits(rows, columns, self._max_body_bytes)
+        return rows is not None and driver_writes.fits(
+            rows, columns, self._max_body_bytes, body_bytes
+        )
 
     def submit(self, put, *args) -> None:
         """Run `put(*args, run_number, lease, redo)` beside the other writes."""

@@ -85,7 +85,7 @@ def test_the_rows_of_several_tables_are_collected_once_and_committed_to_each(spa
         .withColumn("topic", F.lit("ORDER"))
         .unionByName(_topic_rows(spark, [7]).withColumn("topic", F.lit("PAY")))
     )
-    tables = tagged_writes.split_tables(rows, "topic", paths, collected=True)
+    tables = tagged_writes.split_tables(rows, "topic", paths)
     by_topic = driver_writes.split(driver_writes.collect(rows), "topic", sorted(tables))
     for topic, table in tables.items():
         driver_writes.write(by_topic[topic], table, "append", tagged_writes.run_tag(3, topic))
@@ -106,9 +106,51 @@ def test_only_writes_that_fit_in_the_driver_are_collected():
     assert not driver_writes.fits(per_budget + 1, message, 4 << 20)
     assert driver_writes.fits(driver_writes.MESSAGE_MAX_ROWS, message, 1024)
     assert not driver_writes.fits(driver_writes.MESSAGE_MAX_ROWS + 1, message, 1024)
+    # bodies the run counted: their bytes, not the largest size allowed
+    assert driver_writes.fits(10_000, message, 4 << 20, body_bytes=10_000 * 100)
+    assert not driver_writes.fits(10_000, message, 1, body_bytes=driver_writes.BODY_BYTES_MAX + 1)
+    assert not driver_writes.fits(driver_writes.MESSAGE_MAX_ROWS + 1, message, 1, body_bytes=0)
     writes = RunWrites(1, lease=None, redo=False, max_body_bytes=4 << 20)
     try:
         assert not writes.collects(None, narrow)  # unknown count: Spark writes it
         assert writes.collects(10, message)
+        assert not writes.collects(10_000, message)
+        assert writes.collects(10_000, message, body_bytes=1_000_000)
     finally:
         writes.close()
+
+
+def test_a_run_collects_the_undelivered_messages_by_the_bytes_of_their_bodies(
+    spark, warehouse, monkeypatch
+):
+    """The messages a run keeps pending and asks to check go to two tables:
+    the run keeps them once, counting their bodies' bytes, and collects each
+    table's rows when those bytes fit, however large a body may be."""
+    from jobs import writes
+    from jobs.reconcile import reconcile
+    from schemas import PENDING
+    from schemas.tables import CHECK_REQUESTS
+
+    import factories as fx
+
+    now = 1_800_000_000_000
+    fx.write_halves(
+        warehouse, *[fx.half(i, store_ms=now - 100_000, body=b"b" * 10) for i in range(3)]
+    )
+    collected = {}
+    real = writes._put
+
+    def put(df, path, app, mode, collect, *rest):
+        collected[app] = collect
+        return real(df, path, app, mode, collect, *rest)
+
+    monkeypatch.setattr(writes, "_put", put)
+    # room for the bodies of 2 messages of the largest size, and for 3 of 10 bytes
+    monkeypatch.setattr(driver_writes, "BODY_BYTES_MAX", 2 * (4 << 20))
+    summary = reconcile(spark, {"warehouse": warehouse, "max_body_bytes": 4 << 20}, now_ms=now)
+    assert (summary.check_requests, summary.pending_after) == (3, 3)
+    assert collected[PENDING.path] and collected[CHECK_REQUESTS.path]
+    monkeypatch.setattr(driver_writes, "BODY_BYTES_MAX", 29)  # 30 bytes of bodies: too many
+    summary = reconcile(spark, {"warehouse": warehouse}, now_ms=now + 100_000)
+    assert summary.check_requests == 3
+    assert not collected[PENDING.path] and not collected[CHECK_REQUESTS.path]
