@@ -242,9 +242,9 @@ def _commit_version(files: list[tuple[int, str, int]]):
     when every file came in one commit, else a lookup of its name."""
     versions = {v for v, _, _ in files}
     if len(versions) == 1:
-        return F.lit(versions.pop())
+        return F.lit(versions.pop()).cast("bigint")  # a small literal would be an int
     by_name = [F.lit(x) for v, f, _ in files for x in (os.path.basename(f), v)]
-    return F.element_at(F.create_map(*by_name), F.col("_metadata.file_name"))
+    return F.element_at(F.create_map(*by_name), F.col("_metadata.file_name")).cast("bigint")
 
 
 def _read_in_driver(

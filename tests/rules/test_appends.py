@@ -93,9 +93,12 @@ def test_appends_and_a_compaction_are_read_as_parquet_like_the_change_feed(
         for r in inputs.added_rows(spark, path, HALF, 0, upto).collect()
     }
     assert by_offset == {0: 1, 1: 1, 2: 2, 3: 2, 4: 3, 5: 3, 6: 5}
-    plan = inputs.added_rows(spark, path, HALF, 0, upto)._jdf.queryExecution().toString()
+    read = inputs.added_rows(spark, path, HALF, 0, upto)
+    assert read.schema["commit_version"].dataType.simpleString() == "bigint"
+    plan = read._jdf.queryExecution().toString()
     assert ("Join" not in plan) == by_expression
     one_commit = inputs.added_rows(spark, path, HALF, 1, 2)  # a literal version
+    assert one_commit.schema["commit_version"].dataType.simpleString() == "bigint"
     assert sorted(
         tuple(r) for r in one_commit.select("half_offset", "commit_version").collect()
     ) == [(2, 2), (3, 2)]
