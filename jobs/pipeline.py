@@ -275,7 +275,7 @@ def compute(
         decided, known, broadcast=_undelivered_rows(c) <= BROADCAST_MAX_ROWS
     )
     body_bytes = None
-    if writing and len(_tables_of_undelivered(c)) > 1:
+    if writing and _keeps_undelivered(c, writes):
         undelivered = held.checkpoint(counted.bodies(undelivered))
         body_bytes = counted.values()["_body_bytes"]
 
@@ -378,6 +378,15 @@ def _plain_keys(checked, rules: T.Rules, held: Held):
 def _undelivered_rows(c: dict) -> int:
     """How many messages this run discards or keeps pending: its fates but deliveries."""
     return c["pending_after"] + c["discarded_max_checks"] + c["discarded_expired"]
+
+
+def _keeps_undelivered(c: dict, writes: RunWrites) -> bool:
+    """Whether the messages not delivered are kept with their bodies' bytes
+    counted: read by more than one table's write, or by one that the driver
+    may collect if their bodies are small (`driver_writes.fits`), which only
+    a count of their bytes can tell."""
+    tables = len(_tables_of_undelivered(c))
+    return tables > 1 or (tables == 1 and writes.collects(_undelivered_rows(c), ["body"], 0))
 
 
 def _tables_of_undelivered(c: dict) -> list[str]:

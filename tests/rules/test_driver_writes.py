@@ -154,3 +154,38 @@ def test_a_run_collects_the_undelivered_messages_by_the_bytes_of_their_bodies(
     summary = reconcile(spark, {"warehouse": warehouse}, now_ms=now + 100_000)
     assert summary.check_requests == 3
     assert not collected[PENDING.path] and not collected[CHECK_REQUESTS.path]
+
+
+def test_a_run_collects_its_pending_set_alone_by_the_bytes_of_its_bodies(
+    spark, warehouse, monkeypatch
+):
+    """A run whose undelivered messages all stay pending writes one table
+    from them: it still counts their bodies' bytes, so that the driver
+    collects the pending set when they fit rather than Spark writing it."""
+    from jobs import writes
+    from jobs.reconcile import reconcile
+    from schemas import PENDING
+
+    import factories as fx
+
+    now = 1_800_000_000_000
+    fx.write_halves(warehouse, *[fx.half(i, store_ms=now - 10, body=b"b" * 10) for i in range(3)])
+    collected = {}
+    real = writes._put
+
+    def put(df, path, app, mode, collect, *rest):
+        collected[app] = collect
+        return real(df, path, app, mode, collect, *rest)
+
+    monkeypatch.setattr(writes, "_put", put)
+    # room for the 30 bytes of these bodies, not for one of the largest size
+    monkeypatch.setattr(driver_writes, "BODY_BYTES_MAX", 30)
+    summary = reconcile(spark, {"warehouse": warehouse, "max_body_bytes": 4 << 20}, now_ms=now)
+    assert (summary.check_requests, summary.pending_after) == (0, 3)
+    assert collected == {PENDING.path: True}
+    fx.write_halves(warehouse, fx.half(3, store_ms=now - 10, body=b"b" * 10))
+    summary = reconcile(spark, {"warehouse": warehouse}, now_ms=now + 1)  # 40 bytes: too many
+    assert (summary.check_requests, summary.pending_after) == (0, 4)
+    assert collected == {PENDING.path: False}
+    pending = spark.read.format("delta").load(f"{warehouse}/{PENDING.path}")
+    assert sorted(r.half_offset for r in pending.collect()) == [0, 1, 2, 3]
