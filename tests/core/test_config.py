@@ -103,3 +103,33 @@ def test_plain_dict_is_accepted_and_validated():
     with pytest.raises(ConfigError, match="max_checks_per_run"):
         as_config({"max_checks_per_run": 1.5})
     assert Config()["check_budget"] == "answered"
+
+
+def test_an_s3_client_is_made_once_per_store_settings_and_aws_environment(monkeypatch):
+    """A run asks for an S3 client several times; making one costs tenths of
+    a second, so the process keeps it, but a change of the AWS environment
+    (other credentials) or of the store's settings gets a new one."""
+    pytest.importorskip("boto3")
+    from txn_core.storage import Storage
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "first")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    store = Storage(warehouse="s3a://bucket/wh", endpoint="http://127.0.0.1:9", path_style=True)
+    client = store.s3_client()
+    assert store.s3_client() is client
+    assert (
+        Storage(
+            warehouse="s3a://bucket/other", endpoint="http://127.0.0.1:9", path_style=True
+        ).s3_client()
+        is client
+    )
+    assert (
+        Storage(
+            warehouse="s3a://bucket/wh", endpoint="http://127.0.0.1:8", path_style=True
+        ).s3_client()
+        is not client
+    )
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "second")
+    renewed = store.s3_client()
+    assert renewed is not client
+    assert renewed._request_signer._credentials.access_key == "second"
