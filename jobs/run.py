@@ -272,9 +272,7 @@ def _new_intent(
     op_v = job_tables.latest_version(paths["op"])
     half_v = job_tables.latest_version(paths["half"])
     answers_v = job_tables.latest_version(paths["answers"])
-    versions = {
-        t.path: job_tables.latest_version(table_path(wh, t)) for t in job_tables.STATE_TABLES
-    }
+    versions = job_tables.latest_versions(wh, job_tables.STATE_TABLES)
     number = (last.run_number if last else 0) + 1
     now = int(time.time() * 1000) if now_ms is None else now_ms
     run_id = f"run-{number:08d}-{now}"

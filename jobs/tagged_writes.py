@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from pyspark.sql import DataFrame
 
@@ -75,7 +76,11 @@ def split_tables(df: DataFrame, column: str, paths: dict[str, str]) -> dict | No
     or None unless `jobs.commits` can commit the rows of `df` to every one of
     them (`commits.committable`; else `write_for_run`, one table at a time)."""
     rows = df.drop(column)
-    tables = {value: commits.committable(path, rows) for value, path in paths.items()}
+    rows.schema  # noqa: B018 — analysed once, here, not by each thread below
+    # each is a read of a table's log: on an object store, round trips to overlap
+    with ThreadPoolExecutor(max(len(paths), 1), thread_name_prefix="open") as pool:
+        opened = list(pool.map(lambda path: commits.committable(path, rows), paths.values()))
+    tables = dict(zip(paths, opened))
     return None if any(table is None for table in tables.values()) else tables
 
 

@@ -83,10 +83,9 @@ def start_deliveries(wh: str, delivered, topics: dict[str, int], writes: RunWrit
     them all: few rows collected by the driver once and committed to each
     table (`_put_collected_deliveries`), more written by one Spark job
     (`_put_deliveries`); else one write per topic (`_put_each_topic`)."""
-    paths = {
-        topic: job_tables.ensure_topic_table(wh, topic)  # creating one is a commit too
-        for topic in topics
-    }
+    # creating a table is a commit too; on an object store, round trips to overlap
+    with ThreadPoolExecutor(max(len(topics), 1), thread_name_prefix="topic") as pool:
+        paths = dict(zip(topics, pool.map(lambda t: job_tables.ensure_topic_table(wh, t), topics)))
     tables = tagged_writes.split_tables(delivered, "topic", paths)
     if tables is None:
         writes.submit(_put_each_topic, delivered, paths)
