@@ -162,8 +162,8 @@ class WriterUpkeep:
             assert self._table is not None  # opened by _loaded(), which the caller checked
             self._table.create_checkpoint()
             self.checkpoints += 1
-        except Exception:  # noqa: BLE001
-            log.warning("checkpoint of %s failed; next interval", self._name, exc_info=True)
+        except Exception as exc:  # noqa: BLE001
+            self._failed("checkpoint", exc, "next interval")
 
     def _compact(self) -> None:
         """Merge the table's small files. Losing a race (another process
@@ -179,8 +179,8 @@ class WriterUpkeep:
             )
         except CommitFailedError as exc:
             log.info("compaction of %s lost a race (%s); next round", self._name, exc)
-        except Exception:  # noqa: BLE001
-            log.warning("compaction of %s failed; next round", self._name, exc_info=True)
+        except Exception as exc:  # noqa: BLE001
+            self._failed("compaction", exc, "next round")
 
     def _clean_log(self) -> None:
         """Drop log entries past the table's logRetentionDuration (up to the
@@ -196,8 +196,18 @@ class WriterUpkeep:
             floor = self._log_floor() if self._log_floor else None
             if floor is not None:
                 self.trimmed_entries += trim_log(self._table, floor)
-        except Exception:  # noqa: BLE001
-            log.warning("log cleanup of %s failed; next round", self._name, exc_info=True)
+        except Exception as exc:  # noqa: BLE001
+            self._failed("log cleanup", exc, "next round")
+
+    def _failed(self, step: str, exc: Exception, retry: str) -> None:
+        """Log a failed upkeep `step`: a log others were changing meanwhile
+        (`is_transient`, expected under load) is a retry counted in the
+        writer's stats, anything else a warning with its traceback."""
+        if is_transient(exc):
+            self.transient_retries += 1
+            log.debug("%s of %s met a changing log (%s); %s", step, self._name, exc, retry)
+        else:
+            log.warning("%s of %s failed; %s", step, self._name, retry, exc_info=True)
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -222,3 +222,44 @@ def test_upkeep_retries_a_log_changing_under_it_quietly_and_counts_it(
     assert writer.stats().upkeep_retries == 1
     assert writer.upkeep.checkpoints == len(calls) - 1 >= 1
     assert not caplog.records
+
+
+def test_a_compaction_meeting_a_gap_in_the_log_is_retried_without_a_warning(
+    warehouse, monkeypatch, caplog
+):
+    """A compaction that lists the log while another producer's entry is
+    half-made ("Expected contiguous commit files") is done by a later round,
+    counted as a retry: a warning and its traceback in a producer's log under
+    load said something was wrong when nothing was."""
+    import logging
+
+    import txn_core.writer_upkeep as upkeep_module
+
+    real, compactions = upkeep_module.DeltaTable, []
+
+    class Gap:
+        def compact(self, **kwargs):
+            raise Exception(
+                "Generic delta kernel error: Expected contiguous commit files, but found gap"
+            )
+
+    class Racing(real):
+        @property
+        def optimize(self):
+            compactions.append(len(compactions))
+            return Gap() if len(compactions) == 1 else super().optimize
+
+    monkeypatch.setattr(upkeep_module, "DeltaTable", Racing)
+    retries = []
+    with caplog.at_level(logging.WARNING, logger="txn_core.writer_upkeep"):
+        for first in (0, 2):  # each writer: two commits, then a compaction (done by close)
+            writer = open_writer(warehouse, compact_every=2)
+            for o in (first, first + 1):
+                writer.submit(op_rows([o])).result(10)
+            writer.close()
+            retries.append(writer.stats().upkeep_retries)
+    assert (len(compactions), retries) == (2, [1, 0])
+    assert not caplog.records
+    table = DeltaTable(table_path(warehouse, OP))
+    assert len(table.file_uris()) == 1  # the second compaction merged all four commits' files
+    assert sorted(table.to_pyarrow_table()["op_offset"].to_pylist()) == [0, 1, 2, 3]
