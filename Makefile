@@ -28,7 +28,7 @@ check:
 	$(PYTHON) -m mypy
 
 test: setup check
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=15
 
 # The broker core and everything else that needs no Spark: seconds, not minutes.
 test-fast: setup

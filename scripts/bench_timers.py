@@ -121,6 +121,10 @@ def lower_bound(
     return timed(lambda: rows().write.format("delta").mode("append").save(out))[0]
 
 
+def _all(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.2f}" for v in values) + "]"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--timers", type=int, default=1_000_000, help="T, timers waiting")
@@ -187,25 +191,25 @@ def main(argv=None) -> None:
         )
         print(f"scheduling the T timers (one run, unmeasured below): {t_schedule:.1f} s")
         print(
-            f"run 1, no timers             : {median(t_base):6.2f} s  {t_base} "
+            f"run 1, no timers             : {median(t_base):6.2f} s  {_all(t_base)} "
             f"(first {first_base:.2f} s)"
         )
         print(
             f"run 2, {due:,} timers due ({DUE_SHARE:.0%}): {median(t_timers):6.2f} s  "
-            f"{t_timers} (first {first_timers:.2f} s; delivered {s.committed:,})"
+            f"{_all(t_timers)} (first {first_timers:.2f} s; delivered {s.committed:,})"
         )
         print(
             f"run 2 / run 1                : {median(t_timers) / median(t_base):6.2f}"
             "   (target <= 1.3)"
         )
-        print(f"lower bound (read, write once): {median(t_lower):6.2f} s  {t_lower}")
+        print(f"lower bound (read, write once): {median(t_lower):6.2f} s  {_all(t_lower)}")
         print(
             f"run 2 / lower bound          : {median(t_timers) / median(t_lower):6.2f}"
             "   (target <= 3)"
         )
         print(
             f"for comparison, run 1 / its own lower bound (read B, write once, "
-            f"{median(t_base_lower):.2f} s {t_base_lower}): "
+            f"{median(t_base_lower):.2f} s {_all(t_base_lower)}): "
             f"{median(t_base) / median(t_base_lower):.2f}"
         )
     finally:
