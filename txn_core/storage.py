@@ -154,7 +154,8 @@ class Storage:
     def s3_client(self) -> Any:  # a botocore S3 client: boto3 has no annotations
         """A boto3 S3 client for this store (boto3 is the `s3` extra), one per
         process for these settings and the AWS environment variables as they
-        are now: making one takes 0.2-0.4 s, several times a run."""
+        are now: a new session loads its service models again, and a run
+        asks for a client several times."""
         key = (self.endpoint, self.resolved_region, self.path_style, _aws_environment())
         with _CLIENTS_LOCK:
             client = _CLIENTS.get(key)

@@ -120,13 +120,28 @@ def test_only_writes_that_fit_in_the_driver_are_collected():
         writes.close()
 
 
+def _collected_writes(monkeypatch) -> dict:
+    """Filled by the runs that follow: for each table a run writes (by its
+    app id), whether the driver collected the rows."""
+    from jobs import writes
+
+    collected = {}
+    real = writes._put
+
+    def put(df, path, app, mode, collect, *rest):
+        collected[app] = collect
+        return real(df, path, app, mode, collect, *rest)
+
+    monkeypatch.setattr(writes, "_put", put)
+    return collected
+
+
 def test_a_run_collects_the_undelivered_messages_by_the_bytes_of_their_bodies(
     spark, warehouse, monkeypatch
 ):
     """The messages a run keeps pending and asks to check go to two tables:
     the run keeps them once, counting their bodies' bytes, and collects each
     table's rows when those bytes fit, however large a body may be."""
-    from jobs import writes
     from jobs.reconcile import reconcile
     from schemas import PENDING
     from schemas.tables import CHECK_REQUESTS
@@ -137,14 +152,7 @@ def test_a_run_collects_the_undelivered_messages_by_the_bytes_of_their_bodies(
     fx.write_halves(
         warehouse, *[fx.half(i, store_ms=now - 100_000, body=b"b" * 10) for i in range(3)]
     )
-    collected = {}
-    real = writes._put
-
-    def put(df, path, app, mode, collect, *rest):
-        collected[app] = collect
-        return real(df, path, app, mode, collect, *rest)
-
-    monkeypatch.setattr(writes, "_put", put)
+    collected = _collected_writes(monkeypatch)
     # room for the bodies of 2 messages of the largest size, and for 3 of 10 bytes
     monkeypatch.setattr(driver_writes, "BODY_BYTES_MAX", 2 * (4 << 20))
     summary = reconcile(spark, {"warehouse": warehouse, "max_body_bytes": 4 << 20}, now_ms=now)
@@ -162,7 +170,6 @@ def test_a_run_collects_its_pending_set_alone_by_the_bytes_of_its_bodies(
     """A run whose undelivered messages all stay pending writes one table
     from them: it still counts their bodies' bytes, so that the driver
     collects the pending set when they fit rather than Spark writing it."""
-    from jobs import writes
     from jobs.reconcile import reconcile
     from schemas import PENDING
 
@@ -170,14 +177,7 @@ def test_a_run_collects_its_pending_set_alone_by_the_bytes_of_its_bodies(
 
     now = 1_800_000_000_000
     fx.write_halves(warehouse, *[fx.half(i, store_ms=now - 10, body=b"b" * 10) for i in range(3)])
-    collected = {}
-    real = writes._put
-
-    def put(df, path, app, mode, collect, *rest):
-        collected[app] = collect
-        return real(df, path, app, mode, collect, *rest)
-
-    monkeypatch.setattr(writes, "_put", put)
+    collected = _collected_writes(monkeypatch)
     # room for the 30 bytes of these bodies, not for one of the largest size
     monkeypatch.setattr(driver_writes, "BODY_BYTES_MAX", 30)
     summary = reconcile(spark, {"warehouse": warehouse, "max_body_bytes": 4 << 20}, now_ms=now)
