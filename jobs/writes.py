@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pyspark.sql import functions as F
 
 from jobs import driver_writes, job_tables, tagged_writes
+from jobs.counters import Counters
 from jobs.faults import InjectedFault, fault_point
 from jobs.held import Held
 from jobs.lease import Lease, LeaseLost
@@ -80,17 +81,22 @@ class RunWrites:
 def start_deliveries(wh: str, delivered, topics: dict[str, int], writes: RunWrites) -> None:
     """Start writing `delivered` (TOPIC rows with their `topic`) to the
     tables of `topics` (rows by topic) when `jobs.commits` can commit to
-    them all: few rows collected by the driver once and committed to each
-    table (`_put_collected_deliveries`), more written by one Spark job
+    them all: rows the driver can hold whatever their bodies collected
+    once and committed to each table (`_put_collected_deliveries`), rows it
+    can hold if their bodies are small counted first
+    (`_put_counted_deliveries`), more written by one Spark job
     (`_put_deliveries`); else one write per topic (`_put_each_topic`)."""
     # creating a table is a commit too; on an object store, round trips to overlap
     with ThreadPoolExecutor(max(len(topics), 1), thread_name_prefix="topic") as pool:
         paths = dict(zip(topics, pool.map(lambda t: job_tables.ensure_topic_table(wh, t), topics)))
     tables = tagged_writes.split_tables(delivered, "topic", paths)
+    rows = sum(topics.values())
     if tables is None:
         writes.submit(_put_each_topic, delivered, paths)
-    elif writes.collects(sum(topics.values()), delivered.columns):
+    elif writes.collects(rows, delivered.columns):
         writes.submit(_put_collected_deliveries, delivered, tables)
+    elif writes.collects(rows, delivered.columns, body_bytes=0):
+        writes.submit(_put_counted_deliveries, delivered, tables, topics, writes)
     else:
         writes.submit(_put_deliveries, delivered, tables, topics)
 
@@ -138,6 +144,34 @@ def _put_collected_deliveries(
         tag = tagged_writes.run_tag(run_number, _app(topic))
         driver_writes.write(by_topic[topic], todo[topic], "append", tag)
         fault_point(f"after:{_app(topic)}")
+
+
+def _put_counted_deliveries(
+    delivered,
+    tables: dict,
+    rows: dict,
+    writes: RunWrites,
+    run_number: int,
+    lease: Lease,
+    redo: bool,
+) -> None:
+    """Deliveries few enough for the driver if their bodies are small: the
+    rows computed once and kept, their bodies' bytes counted on the way, then
+    collected (`_put_collected_deliveries`) when those bytes fit, else
+    written by Spark (`_put_deliveries`) from the kept rows. Only a count
+    tells: a body may be as large as `max_body_bytes`."""
+    if not _topics_to_write(tables, run_number, redo):
+        return
+    held, counted = Held(), Counters()
+    try:
+        kept = held.checkpoint(counted.bodies(delivered))
+        body_bytes = counted.values()["_body_bytes"]
+        if writes.collects(sum(rows.values()), kept.columns, body_bytes):
+            _put_collected_deliveries(kept, tables, run_number, lease, redo)
+        else:
+            _put_deliveries(kept, tables, rows, run_number, lease, redo)
+    finally:
+        held.release()
 
 
 def _put_each_topic(delivered, paths: dict, run_number: int, lease: Lease, redo: bool) -> None:

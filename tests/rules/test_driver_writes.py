@@ -189,3 +189,57 @@ def test_a_run_collects_its_pending_set_alone_by_the_bytes_of_its_bodies(
     assert collected == {PENDING.path: False}
     pending = spark.read.format("delta").load(f"{warehouse}/{PENDING.path}")
     assert sorted(r.half_offset for r in pending.collect()) == [0, 1, 2, 3]
+
+
+def test_a_run_collects_its_deliveries_by_the_bytes_of_their_bodies(spark, warehouse, monkeypatch):
+    """More deliveries than the driver could hold at the largest body size:
+    the run keeps them once, counting their bodies' bytes, collects them when
+    those bytes fit, and else has Spark write them from the kept rows; each
+    message is delivered once either way."""
+    from jobs import writes
+    from jobs.reconcile import reconcile
+
+    import factories as fx
+
+    taken = []
+
+    def spy(name: str):
+        real = getattr(writes, name)
+
+        def put(*args):
+            taken.append(name)
+            return real(*args)
+
+        monkeypatch.setattr(writes, name, put)
+
+    spy("_put_collected_deliveries")
+    spy("_put_deliveries")
+    now = 1_800_000_000_000
+
+    def deliver(offsets: range, body_bytes_max: int, topics=("ORDER", "PAY")) -> int:
+        halves = [
+            fx.half(i, store_ms=now - 10, topic=topics[i % 2], body=b"b" * 10) for i in offsets
+        ]
+        fx.write_halves(warehouse, *halves)
+        fx.write_ops(warehouse, *[fx.op(h) for h in halves])
+        taken.clear()
+        monkeypatch.setattr(driver_writes, "BODY_BYTES_MAX", body_bytes_max)
+        cfg = {"warehouse": warehouse, "max_body_bytes": 4 << 20}
+        return reconcile(spark, cfg, now_ms=now).committed
+
+    # room for 2 bodies of the largest size, and for these 3 of 10 bytes
+    assert deliver(range(3), 2 * (4 << 20)) == 3
+    assert taken == ["_put_collected_deliveries"]
+    assert deliver(range(3, 6), 29) == 3  # 30 bytes of bodies: too many
+    assert taken == ["_put_deliveries"]
+    delivered = {
+        topic: sorted(
+            (r.queue_offset, r.msg_id)
+            for r in spark.read.format("delta").load(f"{warehouse}/topics/{topic}").collect()
+        )
+        for topic in ("ORDER", "PAY")
+    }
+    assert delivered == {
+        "ORDER": [(0, "msg-0"), (1, "msg-2"), (2, "msg-4")],
+        "PAY": [(0, "msg-1"), (1, "msg-3"), (2, "msg-5")],
+    }
