@@ -81,11 +81,11 @@ class RunWrites:
 def start_deliveries(wh: str, delivered, topics: dict[str, int], writes: RunWrites) -> None:
     """Start writing `delivered` (TOPIC rows with their `topic`) to the
     tables of `topics` (rows by topic) when `jobs.commits` can commit to
-    them all: rows the driver can hold whatever their bodies collected
-    once and committed to each table (`_put_collected_deliveries`), rows it
-    can hold if their bodies are small counted first
-    (`_put_counted_deliveries`), more written by one Spark job
-    (`_put_deliveries`); else one write per topic (`_put_each_topic`)."""
+    them all: rows the driver can hold however large their bodies,
+    collected once and committed to each table (`_put_collected_deliveries`);
+    rows it can hold if their bodies are small, kept and their bodies
+    counted first (`_put_counted_deliveries`); more, written by one Spark
+    job (`_put_deliveries`); else one write per topic (`_put_each_topic`)."""
     # creating a table is a commit too; on an object store, round trips to overlap
     with ThreadPoolExecutor(max(len(topics), 1), thread_name_prefix="topic") as pool:
         paths = dict(zip(topics, pool.map(lambda t: job_tables.ensure_topic_table(wh, t), topics)))
