@@ -17,6 +17,7 @@ rules: `_judged_ops`, `_winners`, `_expected`; docs/operating.md, "verify: the a
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import reduce
 from typing import Any
@@ -25,6 +26,7 @@ from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from jobs import inputs, job_tables
+from jobs.held import Held
 from jobs.local import local_frame
 from jobs.session import use_warehouse
 from schemas import HALF, OP, TOPIC, TableSchema, table_path, topic_path
@@ -827,37 +829,53 @@ def verify(spark: SparkSession, config) -> VerifyReport:
     """Recompute every half message's fate from `_sys/half` and `_sys/op` and
     compare it with the job's outputs and state. Reads only; writes nothing."""
     wh = use_warehouse(spark, as_config(config))
+    held = Held()
+    try:
+        return _audit(spark, wh, held.checkpoint)
+    finally:
+        held.release()
+
+
+def _audit(spark: SparkSession, wh: str, keep: Callable[[DataFrame], DataFrame]) -> VerifyReport:
+    """`verify` in `wh`. `keep` computes a frame that several comparisons
+    read once and cuts its plan there: a cached frame keeps its whole plan,
+    which each comparison built on it would be analysed and run with again."""
     scope = _scope(spark, wh)
     runs = _runs_frame(spark, scope.committed)
-    half = _with_versions(spark, table_path(wh, HALF), HALF, scope.half_upto, scope.notes).cache()
-    op = _with_versions(spark, table_path(wh, OP), OP, scope.op_upto, scope.notes).cache()
+    half = keep(_with_versions(spark, table_path(wh, HALF), HALF, scope.half_upto, scope.notes))
+    op = keep(_with_versions(spark, table_path(wh, OP), OP, scope.op_upto, scope.notes))
     tables = _state_tables(spark, wh, scope)
     topic_names, delivered_rows = _delivered_rows(spark, wh, scope.ignored_run)
+    delivered_rows = keep(delivered_rows)
 
-    halves = _halves(half)
+    halves = keep(_halves(half))
     discard_dated, per_half_discard = _dated_discards(tables[DISCARD.path], runs)
-    ops = _judged_ops(op, runs, halves, per_half_discard).cache()
+    per_half_discard = keep(per_half_discard)
+    ops = keep(_judged_ops(op, runs, halves, per_half_discard))
     op_winners = _with_delays(_winners(ops, tables[RESOLVED.path]), halves, runs)
-    winners = _with_plain(op_winners, halves, runs, tables[RESOLVED.path])
-    ops = _ops_on_scheduled_plain(ops, winners, halves, runs).cache()
+    winners = keep(_with_plain(op_winners, halves, runs, tables[RESOLVED.path]))
+    ops = keep(_ops_on_scheduled_plain(ops, winners, halves, runs))
     judged = halves.where(F.col("half_cv") <= F.lit(scope.half_upto))
     cancelled, cancel_diffs = _cancels(tables[CANCELLED.path], ops, halves, runs)
-    expected = _expected(judged, winners, per_half_discard, delivered_rows, cancelled).cache()
+    cancelled = keep(cancelled)
+    expected = keep(_expected(judged, winners, per_half_discard, delivered_rows, cancelled))
 
-    all_diffs = _union(
-        [
-            *_raw_duplicates(half, op),
-            *_discard_differences(
-                discard_dated, per_half_discard, expected, tables[CHECK_REQUESTS.path]
-            ),
-            *_topic_differences(delivered_rows, expected),
-            *_pending_differences(tables[PENDING.path], expected),
-            *_resolved_differences(tables[RESOLVED.path], expected),
-            _queue_differences(expected, tables[QUEUES.path]),
-            *_rejected_differences(expected, ops, tables[REJECTED.path], cancelled),
-            *cancel_diffs,
-        ]
-    ).cache()
+    all_diffs = keep(
+        _union(
+            [
+                *_raw_duplicates(half, op),
+                *_discard_differences(
+                    discard_dated, per_half_discard, expected, tables[CHECK_REQUESTS.path]
+                ),
+                *_topic_differences(delivered_rows, expected),
+                *_pending_differences(tables[PENDING.path], expected),
+                *_resolved_differences(tables[RESOLVED.path], expected),
+                _queue_differences(expected, tables[QUEUES.path]),
+                *_rejected_differences(expected, ops, tables[REJECTED.path], cancelled),
+                *cancel_diffs,
+            ]
+        )
+    )
     by_kind = {
         r["kind"]: r["n"] for r in all_diffs.groupBy("kind").agg(F.count("*").alias("n")).collect()
     }
@@ -874,8 +892,6 @@ def verify(spark: SparkSession, config) -> VerifyReport:
         not_yet=_newer_rows(spark, table_path(wh, HALF), half.count()),
         topic_tables=len(topic_names),
     )
-    for df in (half, op, ops, expected, delivered_rows, all_diffs):
-        df.unpersist()
     last = scope.last
     judged_run = (
         None
@@ -979,7 +995,7 @@ def _delivered_rows(
         delivered = local_frame(spark, [], spark_schema(TOPIC)).withColumn(
             "found_topic", F.lit(None).cast("string")
         )
-    return topic_names, delivered.cache()
+    return topic_names, delivered
 
 
 def _halves(half: DataFrame) -> DataFrame:
