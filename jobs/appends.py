@@ -86,6 +86,36 @@ def appended_files(path: str, after: int, upto: int) -> list[tuple[int, str, int
     return files
 
 
+#: the most log entries `appended_rows` reads to count a run's new rows
+COUNT_MAX_VERSIONS = 10_000
+
+
+def appended_rows(path: str, after: int, upto: int) -> int | None:
+    """How many rows the commits (after, upto] added, from the statistics
+    (numRecords) of their `add` actions with dataChange=true; None when the
+    table is neither local nor on S3, an entry or a file's statistics are
+    missing, or there are more than `COUNT_MAX_VERSIONS` entries to read.
+    A prediction's input (the JVM a run gets), not the rows a run reads."""
+    if upto <= after:
+        return 0
+    if upto - after > COUNT_MAX_VERSIONS or (local_path(path) is None and not is_s3(path)):
+        return None
+    entries = _log_entries(path, range(after + 1, upto + 1))
+    if entries is None:
+        return None
+    rows = 0
+    for _, actions in entries:
+        for action in actions:
+            add = action.get("add")
+            if add is None or not add.get("dataChange", True):
+                continue
+            try:
+                rows += int(json.loads(add.get("stats") or "{}")["numRecords"])
+            except (KeyError, ValueError, TypeError):
+                return None
+    return rows
+
+
 def _log_entries(path: str, versions: range) -> list[tuple[int, list[dict]]] | None:
     """The actions of each version's log entry, from a local disk or an S3
     store; None if one is missing."""

@@ -16,6 +16,8 @@ no lease and writes nothing, not even missing tables.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import signal
@@ -29,8 +31,8 @@ if __package__ in (None, ""):  # run as a file by spark-submit: make `jobs`, `sc
 from jobs.continuous import parse_every, reconcile_forever
 from jobs.faults import InjectedFault
 from jobs.lease import EXIT_LEASE_HELD, Lease, LeaseHeld
-from jobs.run import RunSummary, idle_ahead, reconcile, recover
-from jobs.session import print_error, use_warehouse
+from jobs.run import RunSummary, idle_ahead, reconcile, recover, rows_ahead
+from jobs.session import driver_java_options, print_error, use_warehouse
 from txn_core.config import Config, ConfigError, load_config
 from txn_core.vocabulary import CANCEL, Action, Source
 
@@ -43,10 +45,18 @@ __all__ = [
     "reconcile",
     "reconcile_forever",
     "recover",
+    "rows_ahead",
+    "submit_java_options",
 ]
 
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+#: a single run predicted to read at most this many rows (`rows_ahead`)
+#: starts its JVM for a short life (`jobs.session.SHORT_LIVED_JVM`): a
+#: process that runs once does not earn back C2's compile time below about a
+#: million rows (docs/operating.md)
+SHORT_LIVED_MAX_ROWS = 500_000
 
 
 _RULE_FLAGS = (
@@ -179,9 +189,7 @@ def _cmd_run(args, cfg: Config) -> int:
     lease = None if args.dry_run else Lease(cfg.warehouse, cfg.lease_ttl_s).acquire()
     crashed = False
     try:
-        # A run with nothing to do writes one row: a JVM tuned to start fast
-        # (see build_spark) saves seconds of it. Any full run gets the default.
-        spark = _spark(short_lived=not args.dry_run and _predict_idle(cfg, args.now_ms))
+        spark = _spark(short_lived=_predict_short(cfg, args.now_ms))
         summary = reconcile(spark, cfg, args.now_ms, dry_run=args.dry_run, lease=lease)
     except InjectedFault:
         crashed = True
@@ -226,13 +234,40 @@ def _run_continuously(args, cfg: Config) -> int:
     return EXIT_OK
 
 
-def _predict_idle(cfg: Config, now_ms: int | None) -> bool:
-    """`idle_ahead`, or False when the tables cannot tell: the prediction only
-    picks the JVM's options, and the run itself reports any real problem."""
+def _predict_short(cfg: Config, now_ms: int | None) -> bool:
+    """Whether a single run's JVM is started for a short life: the run is
+    idle (`idle_ahead`: one row to write) or reads at most
+    `SHORT_LIVED_MAX_ROWS` (`rows_ahead`). False when the tables cannot
+    tell: the prediction only picks the JVM's options, and the run itself
+    reports any real problem."""
     try:
-        return idle_ahead(cfg, now_ms)
+        if idle_ahead(cfg, now_ms):
+            return True
+        rows = rows_ahead(cfg, now_ms)
     except Exception:  # noqa: BLE001
         return False
+    return rows is not None and rows <= SHORT_LIVED_MAX_ROWS
+
+
+def submit_java_options(argv: list[str]) -> str:
+    """The driver JVM's options for `scripts/submit.sh argv`: those of a
+    local session (`driver_java_options`), short-lived for a single run
+    predicted small (`_predict_short`), as `txn-reconcile run` starts it."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # the job itself says what is wrong
+            args = build_parser().parse_args(argv)
+        single = args.command == "run" and args.every is None and args.max_runs is None
+        short = single and _predict_short(
+            load_config(
+                args.conf,
+                warehouse=args.warehouse,
+                **{k: getattr(args, k) for k in (*_RULE_FLAGS, *_STORE_FLAGS)},
+            ),
+            args.now_ms,
+        )
+    except (SystemExit, ConfigError):
+        short = False
+    return driver_java_options(short_lived=short)
 
 
 def _cmd_status(args, cfg: Config) -> int:

@@ -18,7 +18,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, fields
 
-from jobs import inputs, job_tables, run_log, scheduled
+from jobs import appends, inputs, job_tables, run_log, scheduled
 from jobs import transforms as T
 from jobs.faults import InjectedFault, fault_point
 from jobs.held import Held
@@ -30,7 +30,7 @@ from schemas import HALF, table_path
 from txn_core.config import Config, ConfigError, as_config
 from txn_core.vocabulary import RunStatus
 
-__all__ = ["RunSummary", "idle_ahead", "reconcile", "recover"]
+__all__ = ["RunSummary", "idle_ahead", "reconcile", "recover", "rows_ahead"]
 
 
 @dataclass
@@ -199,6 +199,29 @@ def idle_ahead(config: Config | dict, now_ms: int | None = None) -> bool:
         return False
     intent = _new_intent(None, cfg.warehouse, last, cfg, now_ms)
     return _nothing_to_do(last, intent) and intent.run_number % job_tables.COMPACT_EVERY_RUNS != 0
+
+
+def rows_ahead(config: Config | dict, now_ms: int | None = None) -> int | None:
+    """How many rows the next run would read, judged from the Delta logs
+    alone (delta-rs), before any JVM starts: the half and OP rows added
+    since the last run (their files' statistics) and the messages it left
+    pending. None when the logs cannot tell, or the last run is unfinished
+    (the next one redoes it first). A prediction, like `idle_ahead`."""
+    cfg = as_config(config)
+    use_warehouse(None, cfg)
+    last = run_log.last_run(cfg.warehouse)
+    if last is not None and last.status != RunStatus.COMMITTED:
+        return None
+    intent = _new_intent(None, cfg.warehouse, last, cfg, now_ms)
+    paths = inputs.input_paths(cfg.warehouse)
+    new = [
+        appends.appended_rows(paths["half"], intent.prev_half_version, intent.half_version),
+        appends.appended_rows(paths["op"], intent.prev_op_version, intent.op_version),
+    ]
+    if None in new:
+        return None
+    pending = last.counters.get("pending_after", 0) if last is not None else 0
+    return sum(n for n in new if n is not None) + int(pending or 0)
 
 
 def _record_idle_run(wh: str, last: run_log.RunRecord, intent: run_log.RunRecord) -> RunSummary:

@@ -80,9 +80,10 @@ LOG_CONFIG = Path(__file__).resolve().parent.parent / "conf" / "log4j2.propertie
 #: JVM warnings (e.g. an archive this JDK cannot use) to stderr, not stdout:
 #: stdout carries the job's JSON summary
 _WARNINGS_TO_STDERR = "-Xlog:disable -Xlog:all=warning:stderr"
-#: for a process that does a few seconds of work (an idle run's one-row
-#: write): the C1 compiler only, whose code is ready sooner than C2's, and the
-#: serial collector, which starts no GC threads. Long runs need C2's code.
+#: for a process that runs once over little (an idle run, a single run over
+#: a few hundred thousand rows at most): the C1 compiler only, whose code is
+#: ready sooner than C2's, and the serial collector, which starts no GC
+#: threads. A long-lived session, and a run over millions, need C2's code.
 SHORT_LIVED_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 #: for any other (G1) JVM: a full run keeps its intermediate rows on the heap
 #: (`jobs.held`), ~1 GB for a million messages, which G1's adaptive threshold

@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
 """Build `target/spark-classes.jsa`, the class-data archive local Spark starts with.
 
-A run with nothing to do spends most of its time starting a JVM that loads
-and verifies some 10,000 Spark and Delta classes. A dynamic CDS archive
-(JDK 13+) of the classes an idle run loads lets the next JVM map them
-instead; `jobs.session.build_spark` gives it to every local driver JVM.
+A new JVM spends seconds loading and verifying Spark's and Delta's classes:
+some 10,000 to start a session, 11,000 more for a run that delivers. A
+dynamic CDS archive (JDK 13+) of the classes a run loads lets the next JVM
+map them instead; `jobs.session.build_spark` gives it to every local driver
+JVM.
 
-`make setup` runs this once (about 40 s): a first run on a scratch warehouse,
-then an idle run whose JVM writes the archive when it exits. The archive is
+`make setup` runs this once (about a minute): a few messages of each kind
+sent to a scratch warehouse (committed, rolled back, unanswered, plain,
+delayed), then one run over them in a JVM that writes the archive when it
+exits: its classes are those of a full run (reads, checks, deliveries, the
+scheduled set, every write), which include an idle run's. The archive is
 tied to this JDK and these jars; a JVM that cannot use it (after an upgrade)
 warns on stderr and starts without it. Rerun with `--force` after upgrading.
 
@@ -65,19 +69,9 @@ def build(out: Path = CLASS_ARCHIVE) -> Path:
     scratch = Path(tempfile.mkdtemp(prefix="class-archive-"))
     try:
         warehouse = str(scratch / "warehouse")
-        first = [
-            sys.executable,
-            "-m",
-            "jobs.reconcile",
-            "run",
-            "--warehouse",
-            warehouse,
-            "--now-ms",
-            "1",
-        ]
-        _quietly(first)
+        now_ms = _send_each_kind(warehouse)
         dumped = scratch / "spark-classes.jsa"
-        _quietly([sys.executable, __file__, "--dump", str(dumped), warehouse])
+        _quietly([sys.executable, __file__, "--dump", str(dumped), warehouse, str(now_ms)])
         if not dumped.is_file() or not loads(dumped):
             raise RuntimeError(f"the JVM wrote no usable class archive at {dumped}")
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -96,9 +90,52 @@ def _quietly(cmd: list[str]) -> None:
         raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}")
 
 
-def dump(archive: str, warehouse: str) -> None:
-    """One idle run, as the CLI does it, in a JVM that archives its classes
-    when it exits; waits for that exit, when the archive is written."""
+#: the scratch messages' store time, and the run's clock: past the
+#: transaction timeout (the unanswered one is checked), before the delayed
+#: one's time (it is scheduled)
+_STORE_MS, _RUN_MS = 1_000_000, 1_000_000 + 3_600_000
+
+
+def _send_each_kind(warehouse: str) -> int:
+    """Send a few messages of each kind through the broker core, so that the
+    run over them loads the classes of every rule and write; the run's clock."""
+    from txn_core import (
+        Broker,
+        LocalTransactionState,
+        Message,
+        Producer,
+        TransactionListener,
+        TransactionProducer,
+        load_config,
+    )
+
+    outcomes = [
+        LocalTransactionState.COMMIT_MESSAGE,
+        LocalTransactionState.ROLLBACK_MESSAGE,
+        LocalTransactionState.UNKNOWN,
+    ]
+
+    class Outcome(TransactionListener):
+        def execute_local_transaction(self, msg, arg):
+            return outcomes[int(msg.keys)]
+
+        def check_local_transaction(self, msg):
+            return LocalTransactionState.UNKNOWN
+
+    with Broker.open(load_config(warehouse=warehouse, env={}), clock=lambda: _STORE_MS) as broker:
+        producer = TransactionProducer(broker, "archive", Outcome())
+        for i, _ in enumerate(outcomes):
+            producer.send_message_in_transaction(Message(topic="ARCHIVE", body=b"x", keys=str(i)))
+        plain = Producer(broker, "archive")
+        plain.send(Message(topic="ARCHIVE", body=b"plain"))
+        plain.send(Message(topic="ARCHIVE", body=b"later", delay_ms=2 * _RUN_MS))
+    return _RUN_MS
+
+
+def dump(archive: str, warehouse: str, now_ms: str) -> None:
+    """One run over the scratch messages, as the CLI does it, in a JVM that
+    archives its classes when it exits; waits for that exit, when the
+    archive is written."""
     from pyspark import SparkContext
 
     from jobs import reconcile
@@ -109,9 +146,9 @@ def dump(archive: str, warehouse: str) -> None:
         "txn-reconcile",
         conf={"spark.driver.extraJavaOptions": f"{options} -XX:ArchiveClassesAtExit={archive}"},
     )
-    code = reconcile.main(["run", "--warehouse", warehouse, "--now-ms", "1"])
+    code = reconcile.main(["run", "--warehouse", warehouse, "--now-ms", now_ms])
     if code != 0:
-        raise SystemExit(f"the idle run failed with exit {code}")
+        raise SystemExit(f"the run failed with exit {code}")
     jvm = SparkContext._gateway.proc
     spark.stop()
     jvm.stdin.close()  # the gateway JVM exits on end of input
@@ -121,7 +158,9 @@ def dump(archive: str, warehouse: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--force", action="store_true", help="rebuild even if up to date")
-    p.add_argument("--dump", nargs=2, metavar=("ARCHIVE", "WAREHOUSE"), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--dump", nargs=3, metavar=("ARCHIVE", "WAREHOUSE", "NOW_MS"), help=argparse.SUPPRESS
+    )
     args = p.parse_args(argv)
     if args.dump:
         dump(*args.dump)

@@ -29,8 +29,9 @@ else
   dependencies=(--packages "$(cd "$repo" && "$python" -c 'import sys; from jobs.session import submit_packages; print(submit_packages(sys.argv[1:]))' "$@")")
 fi
 pyfiles="$("$python" "$repo/scripts/build_pyfiles.py")"
-# The class archive `make setup` built (if any) and the logging, as a local session gets them.
-driver_opts="$(cd "$repo" && "$python" -c 'from jobs.session import driver_java_options; print(driver_java_options())')"
+# The class archive `make setup` built (if any) and the logging, as a local session gets them,
+# and the short-lived JVM `txn-reconcile run` starts for an idle or small single run.
+driver_opts="$(cd "$repo" && "$python" -c 'import sys; from jobs.reconcile import submit_java_options; print(submit_java_options(sys.argv[1:]))' "$@")"
 
 export PYSPARK_PYTHON="${PYSPARK_PYTHON:-$(command -v "$python")}"
 # SPARK_TESTING makes Ivy look in ./dummy/.m2 instead of ~/.m2.

@@ -298,13 +298,52 @@ def test_the_cli_predicts_an_idle_run_before_spark_starts_and_starts_it_short_li
         )
         == 0
     )
-    assert started == [False, True]  # run 1 full, run 2 idle in a short-lived JVM
+    assert started == [True, True]  # run 1 over one message, run 2 idle: both short-lived
     assert job.idle_ahead(cfg, 60_000)
     monkeypatch.setattr(job_tables, "COMPACT_EVERY_RUNS", 3)
     assert not job.idle_ahead(cfg, 60_000)  # run 3 compacts the job's tables
     monkeypatch.setattr(job_tables, "COMPACT_EVERY_RUNS", 100)
     fx.write_halves(warehouse, fx.half(store_ms=0))
     assert not job.idle_ahead(cfg, 60_000)  # a new half: a full run
+
+
+def test_a_single_run_predicted_small_gets_a_short_lived_jvm_and_a_big_one_the_default(
+    spark, warehouse, monkeypatch
+):
+    from jobs import reconcile as job
+    from jobs.session import LONG_RUN_GC, SHORT_LIVED_JVM
+
+    started = []
+    monkeypatch.setattr(
+        job, "_spark", lambda short_lived=False: started.append(short_lived) or spark
+    )
+    cfg = {"warehouse": warehouse, "transaction_timeout_ms": 60_000}
+    run = ["run", "--warehouse", warehouse, "--transaction-timeout-ms", "60000", "--now-ms"]
+    assert job.rows_ahead(cfg, 1000) == 0  # no table yet
+    halves = [fx.half(store_ms=0) for _ in range(3)]
+    fx.write_halves(warehouse, *halves[:2])
+    fx.write_halves(warehouse, halves[2])
+    fx.write_ops(warehouse, fx.op(halves[0]))
+    assert job.rows_ahead(cfg, 1000) == 4  # three half rows in two commits, one OP
+    monkeypatch.setattr(job, "SHORT_LIVED_MAX_ROWS", 3)
+    assert job.main([*run, "1000"]) == 0
+    fx.write_ops(warehouse, fx.op(halves[1]))
+    assert job.rows_ahead(cfg, 2000) == 3  # one new OP, two messages left pending
+    assert job.main([*run, "2000"]) == 0
+    assert started == [False, True]
+
+    # scripts/submit.sh starts its driver JVM by the same prediction
+    fx.write_halves(warehouse, fx.half(store_ms=0))
+    assert job.rows_ahead(cfg, 3000) == 2  # one new half, one pending
+    submit = [*run, "3000"]
+    assert job.submit_java_options(submit).endswith(SHORT_LIVED_JVM)
+    monkeypatch.setattr(job, "SHORT_LIVED_MAX_ROWS", 1)
+    assert job.submit_java_options(submit).endswith(LONG_RUN_GC)
+    # a continuous job, or arguments the job will refuse: the default JVM
+    assert job.submit_java_options(["run", "--warehouse", warehouse, "--every", "1s"]).endswith(
+        LONG_RUN_GC
+    )
+    assert job.submit_java_options(["run", "--now-ms", "soon"]).endswith(LONG_RUN_GC)
 
 
 def _versions(warehouse: str) -> dict[str, int]:
