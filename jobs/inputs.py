@@ -138,7 +138,7 @@ def read_scheduled(
     if version != NO_VERSION:
         files = scheduled.files_due(path, version, after_ms, upto_ms)
         if files is not None:
-            return _read_files(spark, SCHEDULED, files)
+            return read_files(spark, SCHEDULED, files)
     return snapshot(spark, path, SCHEDULED, version)
 
 
@@ -157,11 +157,11 @@ def read_state(
     if table in WHOLE_STATE_TABLES and version != NO_VERSION:
         files = appends.snapshot_files(path, version)
         if files is not None:
-            return _read_files(spark, table, files)
+            return read_files(spark, table, files)
     return snapshot(spark, path, table, version)
 
 
-def _read_files(spark: SparkSession, table: TableSchema, files: list[str]) -> DataFrame:
+def read_files(spark: SparkSession, table: TableSchema, files: list[str]) -> DataFrame:
     """Data files of a snapshot (all of them, or those a caller picked) as
     parquet in `table`'s columns."""
     return spark.read.schema(spark_schema(table)).parquet(*files) if files else empty(spark, table)
