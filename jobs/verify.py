@@ -145,9 +145,9 @@ def _read(
 
     Read as the parquet files of that snapshot, listed with delta-rs, where
     the log allows (`jobs.appends.snapshot_files`), as the job reads its
-    state: Delta's reader prepares each of its scans while the query is
-    optimised, and the audit's comparisons hold a dozen of them (1.8 s of a
-    small audit's 2.4 s of planning)."""
+    state: Delta's reader prepares each of its scans while a query is
+    optimised, and the audit's comparisons hold a dozen of them
+    (docs/performance.md)."""
     if not job_tables.is_delta(path) or (version is not None and version < 0):
         return local_frame(spark, [], spark_schema(table))
     at = job_tables.latest_version(path) if version is None else version

@@ -254,16 +254,26 @@ def test_idle_run_writes_one_record_until_something_is_due_or_the_rules_change(
     assert [r["_change_type"] for r in feed] == ["insert"]
 
 
+@pytest.fixture
+def jvm_starts(spark, monkeypatch) -> list[bool]:
+    """Whether each `main` of the CLI in the test asked for a short-lived JVM
+    (the test session's Spark is handed out instead of a new one)."""
+    from jobs import reconcile as job
+
+    started: list[bool] = []
+    monkeypatch.setattr(
+        job, "_spark", lambda short_lived=False: started.append(short_lived) or spark
+    )
+    return started
+
+
 def test_the_cli_predicts_an_idle_run_before_spark_starts_and_starts_it_short_lived(
-    spark, warehouse, monkeypatch
+    warehouse, monkeypatch, jvm_starts
 ):
     from jobs import job_tables
     from jobs import reconcile as job
 
-    started = []
-    monkeypatch.setattr(
-        job, "_spark", lambda short_lived=False: started.append(short_lived) or spark
-    )
+    started = jvm_starts
     cfg = {"warehouse": warehouse, "transaction_timeout_ms": 60_000}
     assert not job.idle_ahead(cfg, 1000)  # no run yet: the first one creates the tables
     fx.write_halves(warehouse, fx.half(store_ms=0))
@@ -308,15 +318,12 @@ def test_the_cli_predicts_an_idle_run_before_spark_starts_and_starts_it_short_li
 
 
 def test_a_single_run_predicted_small_gets_a_short_lived_jvm_and_a_big_one_the_default(
-    spark, warehouse, monkeypatch
+    warehouse, monkeypatch, jvm_starts
 ):
     from jobs import reconcile as job
     from jobs.session import LONG_RUN_GC, SHORT_LIVED_JVM
 
-    started = []
-    monkeypatch.setattr(
-        job, "_spark", lambda short_lived=False: started.append(short_lived) or spark
-    )
+    started = jvm_starts
     cfg = {"warehouse": warehouse, "transaction_timeout_ms": 60_000}
     run = ["run", "--warehouse", warehouse, "--transaction-timeout-ms", "60000", "--now-ms"]
     assert job.rows_ahead(cfg, 1000) == 0  # no table yet
