@@ -138,7 +138,7 @@ def read_scheduled(
     if version != NO_VERSION:
         files = scheduled.files_due(path, version, after_ms, upto_ms)
         if files is not None:
-            return read_files(spark, SCHEDULED, files)
+            return _read_files(spark, SCHEDULED, files)
     return snapshot(spark, path, SCHEDULED, version)
 
 
@@ -154,14 +154,22 @@ def read_state(
     """
     path = table_path(warehouse, table)
     version = versions.get(state_version_key(table), NO_VERSION)
-    if table in WHOLE_STATE_TABLES and version != NO_VERSION:
-        files = appends.snapshot_files(path, version)
-        if files is not None:
-            return read_files(spark, table, files)
+    if table in WHOLE_STATE_TABLES:
+        return read_snapshot(spark, path, table, version)
     return snapshot(spark, path, table, version)
 
 
-def read_files(spark: SparkSession, table: TableSchema, files: list[str]) -> DataFrame:
+def read_snapshot(spark: SparkSession, path: str, table: TableSchema, version: int) -> DataFrame:
+    """The table as of `version` (`snapshot`), read as the parquet files of
+    that snapshot when the log allows (`appends.snapshot_files`)."""
+    if version != NO_VERSION:
+        files = appends.snapshot_files(path, version)
+        if files is not None:
+            return _read_files(spark, table, files)
+    return snapshot(spark, path, table, version)
+
+
+def _read_files(spark: SparkSession, table: TableSchema, files: list[str]) -> DataFrame:
     """Data files of a snapshot (all of them, or those a caller picked) as
     parquet in `table`'s columns."""
     return spark.read.schema(spark_schema(table)).parquet(*files) if files else empty(spark, table)

@@ -25,7 +25,7 @@ from typing import Any
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from jobs import appends, inputs, job_tables
+from jobs import inputs, job_tables
 from jobs.held import Held
 from jobs.local import local_frame
 from jobs.session import use_warehouse
@@ -143,18 +143,14 @@ def _read(
 ) -> DataFrame:
     """The table at `version` (None: its latest), empty when there is none.
 
-    Read as the parquet files of that snapshot, listed with delta-rs, where
-    the log allows (`jobs.appends.snapshot_files`), as the job reads its
-    state: Delta's reader prepares each of its scans while a query is
-    optimised, and the audit's comparisons hold a dozen of them
-    (docs/performance.md)."""
+    Read as the job reads its state (`inputs.read_snapshot`): the parquet
+    files of that snapshot where the log allows. Delta's reader prepares
+    each of its scans while a query is optimised, and the audit's
+    comparisons hold a dozen of them (docs/performance.md)."""
     if not job_tables.is_delta(path) or (version is not None and version < 0):
         return local_frame(spark, [], spark_schema(table))
     at = job_tables.latest_version(path) if version is None else version
-    files = appends.snapshot_files(path, at)
-    if files is not None:
-        return inputs.read_files(spark, table, files)
-    return spark.read.format("delta").option("versionAsOf", at).load(path)
+    return inputs.read_snapshot(spark, path, table, at)
 
 
 def _with_versions(
