@@ -90,6 +90,7 @@ class Broker:
                 log_floor=lambda: job_cursor(warehouse, table, storage_options),
                 plain_columns=plain[table],
                 storage_options=storage_options,
+                min_commit_interval_s=config.group_commit_interval_ms / 1000,
             )
 
         self._half = writer(HALF)

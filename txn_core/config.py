@@ -118,6 +118,10 @@ class Config:
     #: largest plain batch (`Producer.send_batch`) the broker core accepts: the
     #: sum of its messages' sizes (`txn_core.message.message_size`), RocketMQ's 4 MiB
     max_batch_bytes: int = 4 * 1024 * 1024
+    #: the least time between two commits of a producer's group-commit writer
+    #: to one table: under load a commit carries that long's rows (fewer files
+    #: and log entries for the job to read); 0 commits as soon as rows arrive
+    group_commit_interval_ms: int = 10
     #: RocketMQ 4's delay levels (its `messageDelayLevel`): level n of
     #: `Message(delay_level=n)` is the n-th duration; a level above the last
     #: is the last (`delay_level_ms`)
@@ -193,6 +197,7 @@ _SPECS: dict[str, tuple[type, Callable[[Any], bool], str]] = {
         lambda v: 1 <= v <= 1024 * 1024 * 1024,
         "an integer from 1 to 1073741824 (bytes)",
     ),
+    "group_commit_interval_ms": (int, lambda v: 0 <= v <= 1000, "an integer from 0 to 1000 (ms)"),
     "delay_levels": (
         str,
         _valid_levels,

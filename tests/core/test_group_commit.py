@@ -263,3 +263,117 @@ def test_a_compaction_meeting_a_gap_in_the_log_is_retried_without_a_warning(
     table = DeltaTable(table_path(warehouse, OP))
     assert len(table.file_uris()) == 1  # the second compaction merged all four commits' files
     assert sorted(table.to_pyarrow_table()["op_offset"].to_pylist()) == [0, 1, 2, 3]
+
+
+def test_a_commit_after_a_quiet_spell_is_at_once_and_one_under_load_gathers_an_interval_of_rows(
+    warehouse, monkeypatch
+):
+    """`min_commit_interval_s` (config `group_commit_interval_ms`): rows that
+    come while the last commit is younger than the interval wait for its end
+    and go in one commit; a row after a quiet spell waits for nothing."""
+    import txn_core.group_commit as group_commit
+
+    slept, real_sleep = [], time.sleep
+    monkeypatch.setattr(group_commit.time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
+    writer = open_writer(warehouse, compact_every=None, min_commit_interval_s=0.5)
+    assert writer.submit(op_rows([0])).result(10) == 1
+    assert slept == []  # nothing committed before it: at once
+    tickets = [writer.submit(op_rows([o])) for o in (1, 2, 3)]
+    assert [t.result(10) for t in tickets] == [2, 2, 2]  # one commit for the three
+    assert len(slept) == 1 and 0 < slept[0] <= 0.5
+    writer.close()
+    assert writer.stats().commits == 2
+
+
+def test_checkpoints_go_to_the_newest_due_version_and_never_wait_for_a_compaction(
+    warehouse, monkeypatch
+):
+    """Under load versions fall due for a checkpoint faster than one is
+    written: the upkeep writes the newest one, not each in turn; and a
+    compaction (seconds under load) runs on a thread of its own, so the
+    checkpoints go on meanwhile."""
+    import txn_core.writer_upkeep as upkeep_module
+
+    real = upkeep_module.DeltaTable
+    checkpointed, compacting, release = [], threading.Event(), threading.Event()
+    first_checkpoint, go_on, second_checkpoint = (threading.Event() for _ in range(3))
+
+    class Held:
+        def compact(self, **kwargs):
+            compacting.set()
+            assert release.wait(10)
+
+    class Watched(real):
+        @property
+        def optimize(self):
+            return Held()
+
+        def create_checkpoint(self):
+            checkpointed.append(self.version())
+            if len(checkpointed) == 1:
+                first_checkpoint.set()
+                assert go_on.wait(10)
+            else:
+                second_checkpoint.set()
+            return super().create_checkpoint()
+
+    monkeypatch.setattr(upkeep_module, "DeltaTable", Watched)
+    config = {**PRODUCER_TABLE_CONFIG, "delta.checkpointInterval": "2"}
+    writer = open_writer(
+        warehouse, config, compact_every=2, log_cleanup_every=None, min_commit_interval_s=0
+    )
+    for o in range(2):  # versions 1 and 2: a checkpoint due at 1, a compaction
+        writer.submit(op_rows([o])).result(10)
+    assert compacting.wait(10) and first_checkpoint.wait(10)
+    for o in range(2, 6):  # due at 3 and 5 while the first checkpoint is being written
+        writer.submit(op_rows([o])).result(10)
+    go_on.set()
+    second_checkpoint.wait(10)  # the upkeep's next round, the compaction still held
+    assert checkpointed == [1, 5]
+    release.set()
+    writer.close()
+
+
+def test_a_compaction_waits_its_interval_after_the_last_one_but_not_at_close(
+    warehouse, monkeypatch
+):
+    """Under a steady load small files fall due faster than every few
+    seconds: a compaction starts `compact_min_interval_s` after the last
+    one ended at the earliest (the clock injected), and `close()` does what
+    is due whatever the time."""
+    import txn_core.writer_upkeep as upkeep_module
+
+    real, clock, ran = upkeep_module.DeltaTable, [0.0], []
+    started = [threading.Event() for _ in range(3)]
+
+    class Timed(real):
+        @property
+        def optimize(self):
+            ran.append(clock[0])
+            started[len(ran) - 1].set()
+            return super().optimize
+
+    monkeypatch.setattr(upkeep_module, "DeltaTable", Timed)
+    table = open_or_create(warehouse, OP)
+    upkeep = upkeep_module.WriterUpkeep(
+        table.table_uri,
+        name=OP.path,
+        compact_every=2,
+        compact_min_interval_s=60,
+        log_cleanup_every=None,
+        monotonic=lambda: clock[0],
+    )
+    for version in (1, 2):
+        upkeep.committed(version, small_file=True)
+    assert started[0].wait(10)  # the first: at once
+    with upkeep._due:  # ended (its end is what the interval counts from)
+        assert upkeep._due.wait_for(lambda: not upkeep._compacting, 10)
+    for version in (3, 4):
+        upkeep.committed(version, small_file=True)
+    clock[0] = 61.0
+    upkeep.committed(5, small_file=True)  # the interval is over: the due one starts
+    assert started[1].wait(10)
+    for version in (6, 7):
+        upkeep.committed(version, small_file=True)
+    upkeep.close()  # due, within the interval: done by close
+    assert ran == [0.0, 61.0, 61.0] and upkeep.compactions == 3
