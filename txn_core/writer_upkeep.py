@@ -149,10 +149,10 @@ class WriterUpkeep:
         return self._compacted_at + self.compact_min_interval_s - self._monotonic()
 
     def _run(self) -> None:
-        """Checkpoints and log clean-up."""
+        """Checkpoints and log clean-up; closing, after this process's last compaction."""
         while True:
             with self._due:
-                while not (self._log_work_due() or self._closing):
+                while not (self._log_work_due() or (self._closing and not self._compacting)):
                     self._due.wait()
                 if not self._log_work_due():
                     return  # closing, nothing left to do
