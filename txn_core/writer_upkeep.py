@@ -35,9 +35,9 @@ COMPACT_EVERY = 256
 SMALL_FILE_BYTES = 4 << 20
 COMPACT_TARGET_BYTES = 16 << 20
 #: the least time from one compaction's end to the next one's start: under a
-#: steady load the small files come faster than every few seconds, and each
-#: round rewrites the partly filled files of the last one (with it, a
-#: producer at 1,000 messages a second spent over a core compacting)
+#: steady load small files come faster than every few seconds, and each
+#: round rewrites the partly filled files of the last one, so frequent rounds
+#: rewrite the same rows over and over (docs/performance.md has the figures)
 COMPACT_MIN_INTERVAL_S = 30.0
 #: commits between two log clean-ups
 LOG_CLEANUP_EVERY = 100
