@@ -180,9 +180,9 @@ class WriterUpkeep:
                 self._compacting = True
             started = time.perf_counter()
             try:
-                table = self._opened_for_compaction()
-                if table is not None:
-                    self._compact(table)
+                self._compacted = self._refreshed(self._compacted)
+                if self._compacted is not None:
+                    self._compact(self._compacted)
             finally:
                 with self._due:
                     self._compacting = False
@@ -191,40 +191,30 @@ class WriterUpkeep:
             self._busy["compaction"] += time.perf_counter() - started
 
     def _loaded(self, version: int | None = None) -> bool:
-        """Load `version` (None: the latest) into the checkpoints' handle,
-        opening it the first time."""
+        """Load `version` (None: the latest) into the checkpoints' handle."""
+        self._table = self._refreshed(self._table, version)
+        return self._table is not None
+
+    def _refreshed(self, table: DeltaTable | None, version: int | None = None) -> DeltaTable | None:
+        """`table` (opened the first time) at `version` (None: the latest), or
+        None when the log could not be read: the next round tries again."""
         try:
-            if self._table is None:
-                self._table = DeltaTable(self._uri, storage_options=self._storage_options)
+            if table is None:
+                table = DeltaTable(self._uri, storage_options=self._storage_options)
             if version is None:
-                self._table.update_incremental()
+                table.update_incremental()
             else:
-                self._table.load_as_version(version)
-            return True
+                table.load_as_version(version)
+            return table
         except Exception as exc:  # noqa: BLE001 - retried at the next round
-            self._unreadable(exc)
-            return False
-
-    def _opened_for_compaction(self) -> DeltaTable | None:
-        """The compaction's handle at the newest version, or None (next round)."""
-        try:
-            if self._compacted is None:
-                self._compacted = DeltaTable(self._uri, storage_options=self._storage_options)
+            if is_transient(exc):
+                self._retried()
+                log.debug("upkeep of %s met a changing log (%s); next round", self._name, exc)
             else:
-                self._compacted.update_incremental()
-            return self._compacted
-        except Exception as exc:  # noqa: BLE001 - retried at the next round
-            self._unreadable(exc)
+                log.warning(
+                    "upkeep of %s could not read the table; next round", self._name, exc_info=True
+                )
             return None
-
-    def _unreadable(self, exc: Exception) -> None:
-        if is_transient(exc):
-            self._retried()
-            log.debug("upkeep of %s met a changing log (%s); next round", self._name, exc)
-        else:
-            log.warning(
-                "upkeep of %s could not read the table; next round", self._name, exc_info=True
-            )
 
     def _retried(self) -> None:
         with self._counting:
