@@ -140,17 +140,24 @@ def ensure_topic_table(warehouse: str, topic: str) -> str:
 def latest_version(path: str) -> int:
     """The table's latest version, or NO_VERSION if there is no table.
 
-    Read with delta-rs, not Spark: it is a look at the log, and from Spark the
-    first one of a process costs seconds of JVM warm-up — the most of an
+    A listing of its log on a local disk or the warehouse's S3 store, else
+    read with delta-rs; never Spark: it is a look at the log, and from Spark
+    the first one of a process costs seconds of JVM warm-up — the most of an
     empty run's time once Spark is up.
     """
     from deltalake.exceptions import TableNotFoundError
 
-    from txn_core.delta_log import latest_local_version, local_path, open_table
+    from txn_core.delta_log import latest_local_version, latest_s3_version, local_path, open_table
+    from txn_core.storage import registered
 
     root = local_path(path)
     if root is not None:  # a listing of the log, no replay of it
         version = latest_local_version(root)
+        return NO_VERSION if version is None else version
+    storage = registered(path)
+    if storage is not None and storage.is_s3:  # the same on the warehouse's store
+        key = path.split("://", 1)[1].partition("/")[2]
+        version = latest_s3_version(storage.s3_client(), storage.bucket, key)
         return NO_VERSION if version is None else version
     try:  # producers may be adding to the log meanwhile
         return open_table(path, storage_options=options_for(path)).version()

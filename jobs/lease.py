@@ -29,7 +29,7 @@ from deltalake.exceptions import CommitFailedError, DeltaError
 
 from schemas import LEASE
 from schemas.arrow import arrow_schema
-from txn_core.tables import lease_table
+from txn_core.tables import checkpoint_if_due, lease_table
 
 EXIT_LEASE_HELD = 75
 
@@ -108,6 +108,7 @@ class Lease:
         write_deltalake(
             table, data, mode="overwrite", commit_properties=CommitProperties(max_commit_retries=0)
         )
+        checkpoint_if_due(table)
 
     def acquire(self) -> Lease:
         table, row = self._read()

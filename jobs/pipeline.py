@@ -40,9 +40,10 @@ HISTORY_IN_LIST_MAX = 10_000
 #: message through a sort
 BROADCAST_MAX_ROWS = 1_000_000
 
-#: up to this many deliveries are placed in their queues by one task
-#: (`T.queue_positions`): a sort of narrow rows a task does in a fraction of
-#: a second, where the shuffle it saves is a Spark job of every run
+#: up to this many deliveries are counted (`T.queue_ends`) and placed in
+#: their queues (`T.queue_positions`) by one task each: a count and a sort
+#: of narrow rows a task does in a fraction of a second, where the shuffles
+#: they save are Spark jobs of every run
 POSITIONS_ONE_TASK_MAX_ROWS = 250_000
 
 
@@ -200,7 +201,8 @@ def compute(
             )
     # before any write: Spark gives a job's tasks the cores in the order
     # the jobs came, and this small one would wait for a write's
-    queue_ends = sorted(tuple(row) for row in T.queue_ends(won, queues).collect())
+    one_task = c["committed"] <= POSITIONS_ONE_TASK_MAX_ROWS
+    queue_ends = sorted(tuple(r) for r in T.queue_ends(won, queues, one_task=one_task).collect())
     delivered_by_topic = _delivered_by_topic(queue_ends)
     if writing and delivered_by_topic:  # a few rows, written first for the same reason
         writes.start(
@@ -241,9 +243,7 @@ def compute(
     merge = plain is not None or n_due > 0 or delayed_now
     if writing and delivered_by_topic:  # the biggest write: started before the others are planned
         delivered = T.with_bodies(
-            T.queue_positions(
-                won, queues, plain=merge, one_task=c["committed"] <= POSITIONS_ONE_TASK_MAX_ROWS
-            ),
+            T.queue_positions(won, queues, plain=merge, one_task=one_task),
             delivered_from,
             broadcast=c["committed"] <= BROADCAST_MAX_ROWS,
         )

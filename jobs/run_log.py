@@ -91,18 +91,21 @@ def write_run_record(warehouse: str, record: RunRecord) -> None:
     two, one after the other on its critical path (intent, commit).
     The table is the same Delta table to Spark (verify, compaction).
     """
-    from deltalake import CommitProperties, write_deltalake
+    from deltalake import CommitProperties, DeltaTable, write_deltalake
+
+    from txn_core.tables import checkpoint_if_due
 
     row = pa.Table.from_pylist([record.to_row()], schema=arrow_schema(RUNS))
     tag = run_tag(record.run_number, f"{RUNS.path}:{record.status}")
     path = table_path(warehouse, RUNS)
+    table = DeltaTable(path, storage_options=options_for(path))
     write_deltalake(
-        path,
+        table,
         row,
         mode="append",
-        storage_options=options_for(path),
         commit_properties=CommitProperties(custom_metadata={"userMetadata": tag}),
     )
+    checkpoint_if_due(table)
 
 
 def decode_json(text: str | None) -> dict:

@@ -668,7 +668,7 @@ def _merge_order(plain: bool) -> tuple[str, ...]:
     return ("_at", "_plain", "_order", "_tie") if plain else ("commit_version", "op_offset")
 
 
-def queue_ends(won: DataFrame, queues: DataFrame) -> DataFrame:
+def queue_ends(won: DataFrame, queues: DataFrame, *, one_task: bool = False) -> DataFrame:
     """(topic, queue_id, delivered, last_queue_offset) of each queue the
     winning COMMITs of `won` go to: what `queue_positions` will say of each
     queue, known without placing a message. Its offsets are dense from the
@@ -677,21 +677,44 @@ def queue_ends(won: DataFrame, queues: DataFrame) -> DataFrame:
     What it is for: the topics to write and the next QUEUES table are known
     as soon as the OPs are classified, before any message has its place
     (a grouping of the winners, not a sort of them).
+
+    `one_task`: the winners are few enough to be counted by one task, with
+    the queues' rows beside them: one Spark job, with no exchange whatever
+    the inputs' partitioning, where a shuffle of the counts and a broadcast
+    of the queues take three.
     """
     base = queues.select("topic", "queue_id", "next_queue_offset")
-    return (
-        won.where(F.col("action") == Action.COMMIT)
-        .groupBy("topic", "queue_id")
-        .agg(F.count(F.lit(1)).alias("delivered"))
-        .join(base, ["topic", "queue_id"], "left")
-        .select(
-            "topic",
-            "queue_id",
-            "delivered",
-            (F.coalesce(F.col("next_queue_offset"), F.lit(0)) + F.col("delivered") - 1).alias(
-                "last_queue_offset"
-            ),
+    commits = won.where(F.col("action") == Action.COMMIT)
+    if one_task:
+        counted = (
+            commits.select(
+                "topic",
+                "queue_id",
+                F.lit(1).alias("_n"),
+                F.lit(None).cast("bigint").alias("next_queue_offset"),
+            )
+            .unionByName(base.withColumn("_n", F.lit(0)))
+            .coalesce(1)
+            .groupBy("topic", "queue_id")
+            .agg(
+                F.sum("_n").alias("delivered"),
+                F.max("next_queue_offset").alias("next_queue_offset"),
+            )
+            .where(F.col("delivered") > 0)
         )
+    else:
+        counted = (
+            commits.groupBy("topic", "queue_id")
+            .agg(F.count(F.lit(1)).alias("delivered"))
+            .join(base, ["topic", "queue_id"], "left")
+        )
+    return counted.select(
+        "topic",
+        "queue_id",
+        "delivered",
+        (F.coalesce(F.col("next_queue_offset"), F.lit(0)) + F.col("delivered") - 1).alias(
+            "last_queue_offset"
+        ),
     )
 
 

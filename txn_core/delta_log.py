@@ -25,6 +25,8 @@ __all__ = [
     "entry_name",
     "file_stats",
     "is_log_file",
+    "latest_local_version",
+    "latest_s3_version",
     "local_dir",
     "local_path",
     "plain_reader",
@@ -95,6 +97,38 @@ def latest_local_version(root: str) -> int | None:
         return None
     versions = [int(m.group(1)) for m in map(_ENTRY.match, names) if m]
     return max(versions, default=None)
+
+
+def latest_s3_version(client: Any, bucket: str, table_key: str) -> int | None:
+    """The newest version whose commit entry is in the `_delta_log` of the
+    table at `table_key` in an S3 `bucket` (a boto3 `client`), or None when
+    it has none (no table).
+
+    A listing from the newest checkpoint on (`_last_checkpoint`), no replay
+    of the log: where opening the table costs a GET of every entry since
+    that checkpoint, this is a GET and a LIST. S3 lists what is written
+    (strong consistency), and an entry is put whole.
+    """
+    log = f"{table_key.strip('/')}/{LOG_DIR}/"
+    start = None
+    try:
+        hint = client.get_object(Bucket=bucket, Key=log + "_last_checkpoint")["Body"].read()
+        start = int(json.loads(hint)["version"])
+    except client.exceptions.NoSuchKey:
+        pass
+    except (ValueError, KeyError, TypeError):
+        pass  # an unreadable hint: list the whole log
+    newest = None
+    pages = client.get_paginator("list_objects_v2").paginate(
+        Bucket=bucket, Prefix=log, StartAfter=log + (f"{start:020d}" if start is not None else "")
+    )
+    for page in pages:
+        for obj in page.get("Contents", []):
+            match = _ENTRY.match(obj["Key"][len(log) :])
+            if match:
+                newest = max(newest if newest is not None else -1, int(match.group(1)))
+    # the checkpoint's own entry may be gone (expired): the checkpoint says it was committed
+    return newest if newest is not None else start
 
 
 def entry_name(version: int) -> str:

@@ -9,6 +9,7 @@ able to write them (docs/protocol.md §2).
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -36,6 +37,14 @@ PRODUCER_TABLE_CONFIG = {
     "delta.enableExpiredLogCleanup": "true",
 }
 
+
+log = logging.getLogger(__name__)
+
+#: the job's own small tables (`_sys/runs`, `_sys/lease`) take a few commits
+#: every run and are read several times a run, each read replaying the log
+#: from the newest checkpoint (on an object store, a GET per entry): a
+#: checkpoint every this many commits keeps every read short
+SMALL_TABLE_CHECKPOINT_EVERY = 10
 
 _CREATE_ONCE = CommitProperties(max_commit_retries=0)
 # A column addition is rebased over the producers' concurrent appends.
@@ -151,6 +160,21 @@ def add_missing_columns(table: DeltaTable, schema: TableSchema) -> list[str]:
             time.sleep(0.01 * (attempt + 1))
             table.update_incremental()
     raise MissingTableError(f"could not add {missing} to {table.table_uri}: {last}") from last
+
+
+def checkpoint_if_due(table: DeltaTable, every: int = SMALL_TABLE_CHECKPOINT_EVERY) -> None:
+    """Checkpoint `table`, a handle that has just committed, when its
+    version is a multiple of `every`. Whatever the table's own
+    `delta.checkpointInterval`, so tables made by an earlier release get
+    it too. A failure is only logged: the commit is done, and the next
+    due version checkpoints again."""
+    version = table.version()
+    if version % every:
+        return
+    try:
+        table.create_checkpoint()
+    except Exception as exc:  # noqa: BLE001 - a missing checkpoint only slows readers
+        log.warning("checkpoint of %s at version %d failed (%s)", table.table_uri, version, exc)
 
 
 def lease_table(warehouse: str, storage_options: dict[str, str] | None = None) -> DeltaTable:

@@ -591,6 +591,11 @@ def test_queue_ends_say_what_queue_positions_will(spark):
     expected = [("ORDER", 0, 2, 11), ("ORDER", 1, 1, 0), ("PAY", 0, 1, 0)]
     assert sorted(map(tuple, placed.collect())) == expected
     assert sorted(map(tuple, T.queue_ends(won, queues).collect())) == expected
+    # counted by one task from the kept winners (as a run keeps them): the
+    # same ends, and no exchange (broadcast or shuffle) at all
+    in_one_task = T.queue_ends(won.localCheckpoint(), queues, one_task=True)
+    assert sorted(map(tuple, in_one_task.collect())) == expected
+    assert "Exchange" not in in_one_task._jdf.queryExecution().executedPlan().toString()
 
 
 def test_delivered_row_carries_the_message_byte_identical(spark):

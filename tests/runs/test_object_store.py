@@ -12,7 +12,7 @@ import time
 
 import pyarrow as pa
 import pytest
-from deltalake import DeltaTable
+from deltalake import DeltaTable, write_deltalake
 
 from jobs import scheduled
 from jobs.faults import FAULT_EXIT_CODE
@@ -200,6 +200,33 @@ def test_a_second_run_on_s3_exits_75_while_the_lease_is_held(s3):
 
 
 # --- the job's reads ---------------------------------------------------------------------
+
+
+def test_a_tables_latest_version_on_s3_is_listed_not_replayed(s3):
+    """The job asks every run for the latest version of nine tables: on the
+    store that is a GET of `_last_checkpoint` and a LIST of the entries
+    after it, where opening the table GETs every entry since the checkpoint;
+    the same answer."""
+    from jobs.job_tables import NO_VERSION, latest_version
+
+    cfg = load_config(env={}, **s3.config())
+    use(Storage.from_config(cfg))
+    path = f"{cfg.warehouse}/t"
+    options = options_for(path)
+    assert latest_version(path) == NO_VERSION
+    for i in range(3):
+        write_deltalake(path, pa.table({"a": [i]}), mode="append", storage_options=options)
+    assert latest_version(path) == 2  # no checkpoint yet: the whole log listed
+    DeltaTable(path, storage_options=options).create_checkpoint()
+    for i in range(5):
+        write_deltalake(path, pa.table({"a": [i]}), mode="append", storage_options=options)
+    assert DeltaTable(path, storage_options=options).version() == 7
+
+    before = s3.requests()
+    assert latest_version(path) == 7
+    after = s3.requests()
+    spent = {kind: after.get(kind, 0) - before.get(kind, 0) for kind in after}
+    assert spent.get("GET", 0) == 1 and spent.get("LIST", 0) == 1, spent
 
 
 def test_the_job_reads_appended_rows_and_snapshots_as_parquet_on_s3(spark, s3, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import subprocess
@@ -12,9 +13,11 @@ import pytest
 from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
+from jobs import job_tables, run_log
 from jobs.lease import Lease, LeaseHeld, LeaseLost
 from jobs.reconcile import main, reconcile
-from schemas import HALF, RUNS, table_path
+from schemas import HALF, LEASE, RUNS, table_path
+from txn_core.tables import SMALL_TABLE_CHECKPOINT_EVERY
 
 import factories as fx
 
@@ -172,3 +175,48 @@ def test_python_dash_m_jobs_is_the_same_command_line():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: txn-reconcile run") and "--dry-run" in done.stdout
+
+
+def _newest_checkpoint(table: str) -> int | None:
+    """The version of a local table's newest checkpoint (None: none yet)."""
+    try:
+        with open(os.path.join(table, "_delta_log", "_last_checkpoint")) as f:
+            return json.load(f)["version"]
+    except FileNotFoundError:
+        return None
+
+
+def _run_record(number: int, status: str) -> run_log.RunRecord:
+    return run_log.RunRecord(
+        **dict.fromkeys(run_log.InputVersions.__dataclass_fields__, -1),
+        run_id=f"run-{number:08d}",
+        run_number=number,
+        status=status,
+        now_ms=number,
+        started_ms=number,
+        state_versions={},
+        rules_json="{}",
+    )
+
+
+def test_the_lease_and_run_logs_are_checkpointed_every_ten_commits(warehouse):
+    """Both take commits every run and are read several times a run, each
+    read replaying the log from the newest checkpoint (a GET per entry on
+    an object store): left to the tables' own intervals (50, 100), the
+    replay grew by a few entries with every run."""
+    every = SMALL_TABLE_CHECKPOINT_EVERY
+    for _ in range(every // 2 + 1):  # the creation, then two commits each
+        Lease(warehouse, ttl_s=60).acquire().release()
+    assert _newest_checkpoint(table_path(warehouse, LEASE)) == every
+    Lease(warehouse, ttl_s=60).acquire()  # read from the checkpoint on
+
+    job_tables.ensure_job_tables(warehouse)
+    runs = table_path(warehouse, RUNS)
+    assert _newest_checkpoint(runs) is None
+    for number in range(1, every // 2 + 1):
+        run_log.write_run_record(warehouse, _run_record(number, "STARTED"))
+        run_log.write_run_record(warehouse, _run_record(number, "COMMITTED"))
+    assert DeltaTable(runs).version() == every
+    assert _newest_checkpoint(runs) == every
+    last = run_log.last_run(warehouse)
+    assert (last.run_number, last.status) == (every // 2, "COMMITTED")
