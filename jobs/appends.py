@@ -37,7 +37,7 @@ from txn_core.delta_log import (
     plain_reader,
     reader_duties,
 )
-from txn_core.storage import is_s3, options_for, storage_for
+from txn_core.storage import is_s3, object_key, options_for, storage_for
 
 _FILE_VERSIONS = StructType(
     [StructField("_file", StringType(), False), StructField("commit_version", LongType(), False)]
@@ -131,7 +131,7 @@ def _log_entries(path: str, versions: range) -> list[tuple[int, list[dict]]] | N
         return entries
     storage = storage_for(path)
     client = storage.s3_client()
-    prefix = path.split("://", 1)[1].partition("/")[2].rstrip("/")
+    prefix = object_key(path)
 
     def get(version: int) -> bytes | None:
         try:
@@ -337,7 +337,7 @@ def _s3_reader(any_path: str):
     client = storage.s3_client()
 
     def read(path: str):
-        key = path.split("://", 1)[1].partition("/")[2]
+        key = object_key(path)
         body = client.get_object(Bucket=storage.bucket, Key=key)["Body"].read()
         return pa.BufferReader(body)
 

@@ -26,7 +26,7 @@ from pyspark.sql.types import StructType
 
 from schemas import DISTINCT_COLUMNS
 from txn_core.delta_log import file_stats, local_path, reader_duties, writer_duties
-from txn_core.storage import is_s3, options_for, registered
+from txn_core.storage import is_s3, object_key, options_for, registered
 
 #: where Spark writes a commit's files before they move into the table; a
 #: crash can leave one behind (hidden from Delta by its leading `_`), and
@@ -179,18 +179,18 @@ def _stage_split_on_s3(df: DataFrame, column: str, tables: dict, home) -> dict[s
     written = _write_split(df, column, tables, f"{home_uri}/{name}")
     storage = registered(home_uri)
     client = storage.s3_client()
-    staging_key = f"{_key(home_uri)}/{name}/"
+    staging_key = f"{object_key(home_uri)}/{name}/"
     files = _listed(client, storage.bucket, staging_key)
     staged = {}
     for value, table in tables.items():
         subdir = written[value].rsplit("/", 1)[1] + "/"
         own = [f for f in files if f["Key"].startswith(staging_key + subdir)]
         if value == home:
-            staged[value] = _s3_adds(table, client, storage.bucket, own, f"{_key(home_uri)}/")
+            staged[value] = _s3_adds(table, client, storage.bucket, own, f"{object_key(home_uri)}/")
             continue
         uri = table.table_uri.rstrip("/")
-        copied = _copied(client, storage.bucket, own, f"{_key(uri)}/{name}/")
-        staged[value] = _s3_adds(table, client, storage.bucket, copied, f"{_key(uri)}/")
+        copied = _copied(client, storage.bucket, own, f"{object_key(uri)}/{name}/")
+        staged[value] = _s3_adds(table, client, storage.bucket, copied, f"{object_key(uri)}/")
         _deleted(client, storage.bucket, [f["Key"] for f in own])
     return staged
 
@@ -204,13 +204,8 @@ def _stage_on_s3(df: DataFrame, table) -> list:
     _writer(df.select(*_not_null_checked(df, table_schema(table), uri))).parquet(f"{uri}/{name}")
     storage = registered(uri)
     client = storage.s3_client()
-    files = _listed(client, storage.bucket, f"{_key(uri)}/{name}/")
-    return _s3_adds(table, client, storage.bucket, files, f"{_key(uri)}/")
-
-
-def _key(uri: str) -> str:
-    """The object key of an S3 URI's path (without the bucket)."""
-    return uri.split("://", 1)[1].partition("/")[2].rstrip("/")
+    files = _listed(client, storage.bucket, f"{object_key(uri)}/{name}/")
+    return _s3_adds(table, client, storage.bucket, files, f"{object_key(uri)}/")
 
 
 def _listed(client, bucket: str, prefix: str) -> list[dict]:

@@ -148,7 +148,7 @@ def latest_version(path: str) -> int:
     from deltalake.exceptions import TableNotFoundError
 
     from txn_core.delta_log import latest_local_version, latest_s3_version, local_path, open_table
-    from txn_core.storage import registered
+    from txn_core.storage import object_key, registered
 
     root = local_path(path)
     if root is not None:  # a listing of the log, no replay of it
@@ -156,8 +156,7 @@ def latest_version(path: str) -> int:
         return NO_VERSION if version is None else version
     storage = registered(path)
     if storage is not None and storage.is_s3:  # the same on the warehouse's store
-        key = path.split("://", 1)[1].partition("/")[2]
-        version = latest_s3_version(storage.s3_client(), storage.bucket, key)
+        version = latest_s3_version(storage.s3_client(), storage.bucket, object_key(path))
         return NO_VERSION if version is None else version
     try:  # producers may be adding to the log meanwhile
         return open_table(path, storage_options=options_for(path)).version()

@@ -285,7 +285,7 @@ def _conditional_put_enforced(storage: Storage) -> bool:
     client = storage.s3_client()
     from botocore.exceptions import ClientError
 
-    prefix = storage.warehouse.split("://", 1)[1].partition("/")[2]
+    prefix = object_key(storage.warehouse)
     key = "/".join(p for p in (prefix, PROBE_PREFIX, uuid.uuid4().hex) if p)
     client.put_object(Bucket=storage.bucket, Key=key, Body=b"probe", IfNoneMatch="*")
     try:
@@ -323,6 +323,15 @@ def use(storage: Storage, *, check: bool = True) -> Storage:
         with _lock:
             _checked.add(storage)
     return storage
+
+
+def object_key(uri: str) -> str:
+    """The object key of an S3 URI's path, without the bucket or a trailing `/`.
+
+    >>> object_key("s3a://bucket/wh/_sys/half/")
+    'wh/_sys/half'
+    """
+    return uri.split("://", 1)[1].partition("/")[2].rstrip("/")
 
 
 def registered(uri: str) -> Storage | None:
