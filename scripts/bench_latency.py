@@ -163,7 +163,9 @@ def _job_command(warehouse: str, *extra: str) -> list[str]:
 
 def measure(rate: float, args, cron: bool = False) -> dict:
     warehouse = tempfile.mkdtemp(prefix="bench-latency-")
-    cfg = load_config(env={}, warehouse=warehouse, **RULES)
+    cfg = load_config(
+        env={}, warehouse=warehouse, group_commit_interval_ms=args.group_commit_interval_ms, **RULES
+    )
     env = {**os.environ, "PYTHONPATH": REPO}
     broker = Broker.open(cfg)
     producer = TransactionProducer(broker, group="bench_group", listener=_Listener())
@@ -324,10 +326,19 @@ def main(argv=None) -> None:
         default=60,
         help="seconds of sending at the rate before the timed ones (continuous job only)",
     )
+    p.add_argument(
+        "--group-commit-interval-ms",
+        type=int,
+        default=load_config(env={}).group_commit_interval_ms,
+        help="the producers' least time between two commits to a table (default: the config's)",
+    )
     p.add_argument("--cron", action="store_true", help="also the cron cadence, at the first rate")
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
-    print(f"cores = {os.cpu_count()}, {args.duration:.0f} s per rate, body {args.body_bytes} B")
+    print(
+        f"cores = {os.cpu_count()}, {args.duration:.0f} s per rate, body {args.body_bytes} B, "
+        f"group commits at least {args.group_commit_interval_ms} ms apart"
+    )
     for rate in rates:
         report(measure(rate, args))
     if args.cron:
