@@ -111,7 +111,10 @@ def run_per_message(
 ) -> dict:
     """Closed-loop senders for `duration` seconds; returns the figures.
     `plain`: `Producer.send` (a half row each, no local transaction, no OP)."""
-    broker, warehouse = open_broker(store, group_commit=group_commit)
+    keys = {}
+    if args.group_commit_interval_ms is not None:
+        keys["group_commit_interval_ms"] = args.group_commit_interval_ms
+    broker, warehouse = open_broker(store, keys, group_commit=group_commit)
     producer = (
         Producer(broker, "benchmark_producer")
         if plain
@@ -263,6 +266,12 @@ def main(argv=None) -> int:
     p.add_argument("-cu", "--check-unknown-rate", type=float, default=0.0)
     p.add_argument("-i", "--interval-ms", type=int, default=0, help="pause between sends")
     p.add_argument("-d", "--duration", type=float, default=20.0, help="seconds per design")
+    p.add_argument(
+        "--group-commit-interval-ms",
+        type=int,
+        default=None,
+        help="the writers' least time between two commits to a table (default: the config's)",
+    )
     p.add_argument("--batch-size", type=int, default=10_000)
     p.add_argument("--batch-duration", type=float, default=10.0)
     p.add_argument("--skip-naive", action="store_true")
