@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from bisect import bisect_left
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import unquote
 
@@ -205,6 +206,57 @@ def snapshot_files(path: str, version: int) -> list[str] | None:
     """
     table = open_snapshot(path, version)
     return None if table is None else table.file_uris()
+
+
+def snapshot_files_by_stats(path: str, version: int, column: str, may_hold) -> list[str] | None:
+    """The data files of the table at `path` as of `version` whose
+    statistics of `column` may hold a wanted row, when the table can be read
+    as parquet (`open_snapshot`); otherwise None. `may_hold(low, high)`
+    (pyarrow arrays of each file's min and max) says which; a file without
+    them is kept. Chosen in the driver from the log: Delta's own reader
+    first rebuilds the table's state and filters its files in Spark jobs of
+    their own, at every read."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = open_snapshot(path, version)
+    if table is None:
+        return None
+    files = pa.table(table.get_add_actions(flatten=True))
+    if files.num_rows == 0:
+        return []
+    low, high = f"min.{column}", f"max.{column}"
+    if low in files.column_names and high in files.column_names:
+        unknown = pc.or_kleene(pc.is_null(files[low]), pc.is_null(files[high]))
+        files = files.filter(pc.or_kleene(unknown, may_hold(files[low], files[high])))
+    wanted = {unquote(p).rsplit("/", 1)[-1] for p in files["path"].to_pylist()}
+    return [uri for uri in table.file_uris() if uri.rsplit("/", 1)[-1] in wanted]
+
+
+def snapshot_files_holding(
+    path: str, version: int, column: str, values: list[int]
+) -> list[str] | None:
+    """`snapshot_files_by_stats` for the rows whose integer `column` is one
+    of `values`: what a lookup by key must read."""
+    import pyarrow as pa
+
+    ordered = sorted(values)
+
+    def may_hold(low, high):
+        return pa.array(
+            [
+                lo is None or hi is None or _any_within(ordered, lo, hi)
+                for lo, hi in zip(low.to_pylist(), high.to_pylist())
+            ]
+        )
+
+    return snapshot_files_by_stats(path, version, column, may_hold)
+
+
+def _any_within(ordered: list[int], low: int, high: int) -> bool:
+    """Whether a value of the sorted `ordered` lies in [low, high]."""
+    i = bisect_left(ordered, low)
+    return i < len(ordered) and ordered[i] <= high
 
 
 def open_snapshot(path: str, version: int):

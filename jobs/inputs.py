@@ -159,6 +159,28 @@ def read_state(
     return snapshot(spark, path, table, version)
 
 
+def read_state_holding(
+    spark: SparkSession,
+    warehouse: str,
+    versions: dict[str, int],
+    table: TableSchema,
+    offsets: list[int],
+) -> DataFrame:
+    """The state table as of the version pinned in `versions`, or at least
+    its rows whose half_offset is one of `offsets` (the caller keeps those):
+    read as parquet from the files whose statistics may hold one
+    (`appends.snapshot_files_holding`) when the log allows, else through
+    Delta's reader, which skips files the same way but first computes the
+    table's snapshot in Spark jobs, every run that looks one up."""
+    path = table_path(warehouse, table)
+    version = versions.get(state_version_key(table), NO_VERSION)
+    if version != NO_VERSION:
+        files = appends.snapshot_files_holding(path, version, "half_offset", offsets)
+        if files is not None:
+            return _read_files(spark, table, files)
+    return snapshot(spark, path, table, version)
+
+
 def read_snapshot(spark: SparkSession, path: str, table: TableSchema, version: int) -> DataFrame:
     """The table as of `version` (`snapshot`), read as the parquet files of
     that snapshot when the log allows (`appends.snapshot_files`)."""

@@ -420,8 +420,8 @@ def _with_history(
     if not counted.values()["_unknown_offset_ops"]:
         return classified, inputs.empty(spark, DISCARD)
     keys = [r[0] for r in T.unmatched_op_keys(classified).collect()]
-    resolved = inputs.read_state(spark, wh, record.state_versions, RESOLVED)
-    discarded = inputs.read_state(spark, wh, record.state_versions, DISCARD)
+    resolved = inputs.read_state_holding(spark, wh, record.state_versions, RESOLVED, keys)
+    discarded = inputs.read_state_holding(spark, wh, record.state_versions, DISCARD, keys)
     wanted = local_frame(spark, [(k,) for k in keys], _HALF_OFFSETS)
     if len(keys) <= HISTORY_IN_LIST_MAX:
         resolved = resolved.where(resolved.half_offset.isin(keys))

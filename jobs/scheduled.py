@@ -16,12 +16,11 @@ many (their due ranges may be wide).
 from __future__ import annotations
 
 import logging
-from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from jobs.appends import open_snapshot
+from jobs.appends import snapshot_files_by_stats
 from jobs.job_tables import NO_VERSION
 from schemas import table_path
 from schemas.tables import SCHEDULED
@@ -71,24 +70,13 @@ def files_due(path: str, version: int, after_ms: int, upto_ms: int) -> list[str]
     """The data files of the scheduled set at `path` as of `version` whose
     statistics may hold a row due in (after_ms, upto_ms] (a file without
     them is kept), when the set can be read as parquet
-    (`appends.open_snapshot`); otherwise None. Listed by delta-rs from the
-    log: Delta's own reader first rebuilds the table's state and filters
-    its files in Spark jobs of their own, at every read."""
-    table = open_snapshot(path, version)
-    if table is None:
-        return None
-    files = pa.table(table.get_add_actions(flatten=True))
-    if files.num_rows == 0:
-        return []
-    if "min.due_ms" in files.column_names and "max.due_ms" in files.column_names:
-        low, high = files["min.due_ms"], files["max.due_ms"]
-        may_hold = pc.or_kleene(
-            pc.or_kleene(pc.is_null(low), pc.is_null(high)),
-            pc.and_kleene(pc.greater(high, after_ms), pc.less_equal(low, upto_ms)),
-        )
-        files = files.filter(may_hold)
-    wanted = {unquote(p).rsplit("/", 1)[-1] for p in files["path"].to_pylist()}
-    return [uri for uri in table.file_uris() if uri.rsplit("/", 1)[-1] in wanted]
+    (`appends.snapshot_files_by_stats`); otherwise None."""
+    return snapshot_files_by_stats(
+        path,
+        version,
+        "due_ms",
+        lambda low, high: pc.and_kleene(pc.greater(high, after_ms), pc.less_equal(low, upto_ms)),
+    )
 
 
 def upkeep(warehouse: str, watermark_ms: int) -> tuple[int, int]:

@@ -12,7 +12,7 @@ from jobs import appends, inputs, job_tables, scheduled
 from schemas import HALF, PENDING, table_path
 from schemas.arrow import arrow_schema
 from schemas.spark import spark_schema
-from schemas.tables import SCHEDULED
+from schemas.tables import RESOLVED, SCHEDULED
 
 import factories as fx
 
@@ -277,6 +277,55 @@ def test_the_due_rows_are_read_from_the_files_whose_statistics_may_hold_them(
     version = DeltaTable(path).version()
     assert scheduled.files_due(path, version, 20, 50) is None  # a file holds a deleted row
     assert _due(spark, warehouse, version, 20, 50) == [30, 50]  # read by Delta
+
+
+def _resolved(*offsets: int) -> pa.Table:
+    rows = [
+        {
+            "half_offset": o,
+            "transaction_id": f"t{o}",
+            "producer_group": "g",
+            "topic": "ORDER",
+            "action": "COMMIT",
+            "source": "PRODUCER",
+            "op_offset": o,
+            "op_version": 1,
+            "op_store_ms": 0,
+            "after_discard": False,
+            "run_id": "run-1",
+        }
+        for o in offsets
+    ]
+    return pa.Table.from_pylist(rows, schema=arrow_schema(RESOLVED))
+
+
+def test_resolved_messages_are_looked_up_in_the_files_whose_statistics_may_hold_them(
+    spark, warehouse, monkeypatch
+):
+    """A run that meets OPs for messages no longer pending reads their
+    `_sys/resolved` rows from the few files that may hold them, chosen from
+    the log in the driver, not through Delta's reader, which rebuilds the
+    table's state in Spark jobs first."""
+    import pyarrow.parquet as pq
+
+    job_tables.ensure_job_tables(warehouse)
+    path = table_path(warehouse, RESOLVED)
+    for offsets in ((10, 20), (30, 40), (50, 60)):  # a file each, disjoint ranges
+        write_deltalake(path, _resolved(*offsets), mode="append")
+    files = appends.snapshot_files(path, 3)
+    assert len(files) == 3
+    holding_30 = [f for f in files if 30 in pq.read_table(f)["half_offset"].to_pylist()]
+    assert appends.snapshot_files_holding(path, 3, "half_offset", [35, 40, 99]) == holding_30
+    assert len(appends.snapshot_files_holding(path, 3, "half_offset", [10, 30, 60])) == 3
+    assert appends.snapshot_files_holding(path, 3, "half_offset", [5, 25, 61]) == []
+    assert appends.snapshot_files_holding(path, 2, "half_offset", [50]) == []  # not there yet
+    versions = {inputs.state_version_key(RESOLVED): 3}
+    with monkeypatch.context() as m:  # read as files: Delta's reader is never asked
+        m.setattr(inputs, "snapshot", lambda *a: pytest.fail("read through Delta"))
+        found = inputs.read_state_holding(spark, warehouse, versions, RESOLVED, [40, 45])
+        assert sorted(r.half_offset for r in found.where("half_offset IN (40, 45)").collect()) == [
+            40
+        ]
 
 
 def _holds(file: str, due_ms: int) -> bool:
