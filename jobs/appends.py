@@ -282,8 +282,10 @@ def plain_table(table) -> bool:
 #: when there are more than this many and they are small in all
 #: (`DRIVER_READ_MAX_BYTES`): producers sending one message at a time commit
 #: a file per message, and Spark lists them and opens each in turn, where
-#: one pyarrow scan reads them all (docs/performance.md)
-DRIVER_READ_MIN_FILES = 64
+#: one pyarrow scan reads them all (docs/performance.md). Spark's own
+#: threshold: past 32 paths it lists them in a Spark job of its own
+#: (`spark.sql.sources.parallelPartitionDiscovery.threshold`), a task a file
+DRIVER_READ_MIN_FILES = 32
 #: what the driver may hold of them: past it, a run's cost per file jumps
 #: several-fold, so this is set to a backlog of minutes under a steady load
 #: (2 KB messages at 1,000/s), not seconds, within the driver's 2 GB
