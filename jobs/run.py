@@ -164,7 +164,7 @@ def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSumm
     summary.redone_run_id = redone
     if intent.run_number % job_tables.COMPACT_EVERY_RUNS == 0:
         lease.keep_alive()
-        job_tables.compact_job_tables(spark, wh)
+        job_tables.compact_job_tables(wh)
         scheduled.upkeep(wh, summary.watermark_ms)
     return summary
 
