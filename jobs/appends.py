@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from bisect import bisect_left
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from urllib.parse import unquote
 
 from pyspark.sql import DataFrame, SparkSession
@@ -117,9 +120,48 @@ def appended_rows(path: str, after: int, upto: int) -> int | None:
     return rows
 
 
+#: within `log_entries_kept`: the log entries read, by (table path, version)
+_kept: dict[tuple[str, int], list[dict]] | None = None
+_kept_lock = threading.Lock()
+
+
+@contextmanager
+def log_entries_kept() -> Iterator[None]:
+    """Within: each log entry `_log_entries` reads is read once, then kept
+    (a run reads its new entries twice: its size, then its files). Only for
+    the length of a run: an entry never changes, but a table deleted and
+    made again at the same path starts its versions over."""
+    global _kept
+    with _kept_lock:
+        _kept = {}
+    try:
+        yield
+    finally:
+        with _kept_lock:
+            _kept = None
+
+
 def _log_entries(path: str, versions: range) -> list[tuple[int, list[dict]]] | None:
     """The actions of each version's log entry, from a local disk or an S3
-    store; None if one is missing."""
+    store (or `log_entries_kept`); None if one is missing."""
+    with _kept_lock:
+        kept = dict(_kept) if _kept is not None else None
+    if kept is None:
+        return _read_log_entries(path, versions)
+    unread = [v for v in versions if (path, v) not in kept]
+    read = _read_log_entries(path, range(unread[0], versions.stop)) if unread else []
+    if read is None:
+        return None
+    with _kept_lock:
+        for version, actions in read:
+            kept[(path, version)] = actions
+            if _kept is not None:
+                _kept[(path, version)] = actions
+    return [(v, kept[(path, v)]) for v in versions]
+
+
+def _read_log_entries(path: str, versions: range) -> list[tuple[int, list[dict]]] | None:
+    """`_log_entries`, read."""
     root = local_path(path)
     if root is not None:
         entries = []

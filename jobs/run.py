@@ -22,6 +22,7 @@ from jobs import appends, inputs, job_tables, run_log, scheduled
 from jobs import transforms as T
 from jobs.faults import InjectedFault, fault_point
 from jobs.held import Held
+from jobs.interpreted import interpreted_if_small
 from jobs.lease import Lease
 from jobs.pipeline import Outputs, compute, write_outputs
 from jobs.session import use_warehouse
@@ -160,7 +161,7 @@ def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSumm
     else:
         run_log.write_run_record(wh, intent)
         fault_point("after_intent")
-        summary = _execute(spark, cfg, intent, lease).summary
+        summary = _execute(spark, cfg, intent, lease, pending=_pending_after(last)).summary
     summary.redone_run_id = redone
     if intent.run_number % job_tables.COMPACT_EVERY_RUNS == 0:
         lease.keep_alive()
@@ -213,15 +214,30 @@ def rows_ahead(config: Config | dict, now_ms: int | None = None) -> int | None:
     if last is not None and last.status != RunStatus.COMMITTED:
         return None
     intent = _new_intent(None, cfg.warehouse, last, cfg, now_ms)
-    paths = inputs.input_paths(cfg.warehouse)
+    return _rows_read(cfg.warehouse, intent, _pending_after(last))
+
+
+def _rows_read(wh: str, record: run_log.RunRecord, pending: int | None) -> int | None:
+    """The rows the run of `record` reads: the half and OP rows its versions
+    add (their files' statistics) and the `pending` messages the last run
+    left; None when the logs cannot tell or `pending` is None."""
+    paths = inputs.input_paths(wh)
     new = [
-        appends.appended_rows(paths["half"], intent.prev_half_version, intent.half_version),
-        appends.appended_rows(paths["op"], intent.prev_op_version, intent.op_version),
+        appends.appended_rows(paths["half"], record.prev_half_version, record.half_version),
+        appends.appended_rows(paths["op"], record.prev_op_version, record.op_version),
     ]
-    if None in new:
+    if None in new or pending is None:
         return None
-    pending = last.counters.get("pending_after", 0) if last is not None else 0
-    return sum(n for n in new if n is not None) + int(pending or 0)
+    return sum(n for n in new if n is not None) + pending
+
+
+def _pending_after(last: run_log.RunRecord | None) -> int | None:
+    """The messages `last` left pending (none before the first run); None if it never finished."""
+    if last is None:
+        return 0
+    if last.status != RunStatus.COMMITTED:
+        return None
+    return int(last.counters.get("pending_after") or 0)
 
 
 def _record_idle_run(wh: str, last: run_log.RunRecord, intent: run_log.RunRecord) -> RunSummary:
@@ -344,27 +360,31 @@ def _execute(
     lease: Lease | None,
     write: bool = True,
     redo: bool = False,
+    pending: int | None = None,
 ) -> _Executed:
     """Compute the run of `record` and, if `write`, write it; `redo`: a
-    crashed attempt of this run may have written some of its tables."""
+    crashed attempt of this run may have written some of its tables;
+    `pending`: how many messages the last run left pending, if known (a
+    small run runs interpreted, `jobs.interpreted`)."""
     started = time.time()
     wh = cfg.warehouse
     rules = T.Rules.from_json(record.rules_json)
     held = Held()
     writes = RunWrites(record.run_number, lease, redo, cfg.max_body_bytes) if write else None
-    try:
-        out = compute(spark, wh, record, rules, held, writes)
-        if writes is not None:
-            write_outputs(wh, out, writes)
-        summary = _summary(record, out, int((time.time() - started) * 1000))
-        if write:
-            lease.keep_alive()
-            record = _commit(wh, record, summary)
-        return _Executed(record, summary)
-    finally:
-        if writes is not None:
-            writes.close()  # before the kept rows they read are freed
-        held.release()
+    with appends.log_entries_kept(), interpreted_if_small(spark, _rows_read(wh, record, pending)):
+        try:
+            out = compute(spark, wh, record, rules, held, writes)
+            if writes is not None:
+                write_outputs(wh, out, writes)
+            summary = _summary(record, out, int((time.time() - started) * 1000))
+            if write:
+                lease.keep_alive()
+                record = _commit(wh, record, summary)
+            return _Executed(record, summary)
+        finally:
+            if writes is not None:
+                writes.close()  # before the kept rows they read are freed
+            held.release()
 
 
 def _summary(record: run_log.RunRecord, out: Outputs, duration_ms: int) -> RunSummary:

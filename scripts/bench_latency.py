@@ -13,8 +13,11 @@ every committed message arrived exactly once and no rolled-back one did
 latencies are those of the messages consumed within the drain). Before
 the timed sends, the job is warmed up by `--warm-up-s` of sends at the
 same rate, checked but not timed: a new JVM spends its first minutes
-compiling Spark's code (runs of 15-20 s where a warm one takes 2-4 s), and
-the figures are those of a continuous job that has been running.
+compiling Spark's code (runs of 15-20 s at first, still compiling after a
+hundred runs), and the figures are those of a continuous job that has been
+running. The runs are described too: their median time, and for the timed
+part the longest run and the longest time between two runs' starts (a run
+plus what follows it: every 100th run compacts the job's tables).
 With `--cron` the same is measured for one fresh `txn-reconcile run` a
 minute (the cron cadence) at the first rate.
 
@@ -211,7 +214,7 @@ def measure(rate: float, args, cron: bool = False) -> dict:
         # of a job that has been running
         warm = _produce(producer, rate, args.warm_up_s, args.threads, body, prefix="w")
         cpu_start = _job_cpu_s(job.pid)
-    began = time.monotonic()
+    began, timed_from_ms = time.monotonic(), int(time.time() * 1000)
     produced = _produce(producer, rate, args.duration, args.threads, body)
     sending_s = time.monotonic() - began
     # everything committed, by the producer or when checked, reaches the consumer
@@ -265,18 +268,24 @@ def measure(rate: float, args, cron: bool = False) -> dict:
         "warm_up": warm.sent,
         "delivered": delivered,
         "cpu_per_msg_ms": 1000 * cpu / max(delivered, 1),
-        "runs": _runs(summaries) if not cron else (runs, None),
+        "runs": _runs(summaries, timed_from_ms) if not cron else (runs, None, None, None),
     }
 
 
-def _runs(lines: list[str]) -> tuple[int, float | None]:
-    """(runs, median wall time in seconds of those that did something) of the job's summaries."""
+def _runs(lines: list[str], timed_from_ms: int) -> tuple[int, float | None, float, float]:
+    """Of the job's summaries: (runs, median wall time in seconds of those
+    that did something, and of the runs started from `timed_from_ms` on the
+    longest wall time and the longest time between two starts)."""
     import json
     from statistics import median
 
     done = [json.loads(line) for line in lines if line.startswith("{")]
     busy = [d["duration_ms"] / 1000 for d in done if not d["idle"]]
-    return len(done), (median(busy) if busy else None)
+    timed = [d for d in done if d["now_ms"] >= timed_from_ms]
+    longest = max((d["duration_ms"] / 1000 for d in timed), default=0.0)
+    starts = [d["now_ms"] / 1000 for d in timed]
+    apart = max((b - a for a, b in zip(starts, starts[1:])), default=0.0)
+    return len(done), (median(busy) if busy else None), longest, apart
 
 
 def report(f: dict) -> None:
@@ -292,7 +301,12 @@ def report(f: dict) -> None:
         f"commit -> consumed p50 {p50:.2f} s, p99 {p99:.2f} s, max {max(lat, default=0):.2f} s; "
         f"job CPU {f['cpu_per_msg_ms']:.3f} ms per delivered message; "
         f"{f['runs'][0]} runs"
-        + (f" (median {f['runs'][1]:.1f} s each)" if f["runs"][1] is not None else "")
+        + (
+            f" (median {f['runs'][1]:.1f} s each; timed: longest {f['runs'][2]:.1f} s,"
+            f" longest between two starts {f['runs'][3]:.1f} s)"
+            if f["runs"][1] is not None
+            else ""
+        )
         + "; "
         f"{f['delivered']:,} timed messages delivered ({f['checked']:,} committed on check"
         + (
@@ -323,7 +337,7 @@ def main(argv=None) -> None:
     p.add_argument(
         "--warm-up-s",
         type=float,
-        default=60,
+        default=300,
         help="seconds of sending at the rate before the timed ones (continuous job only)",
     )
     p.add_argument(

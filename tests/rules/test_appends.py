@@ -345,3 +345,24 @@ def test_the_driver_reads_files_written_before_a_column_was_added_with_it_null(t
     rows = appends._read_local_files([(3, old, 0), (4, new, 0)], schema).to_pylist()
     got = {r["half_offset"]: (r["message_type"], r["commit_version"]) for r in rows}
     assert got == {1: (None, 3), 2: ("NORMAL", 4)}
+
+
+def test_within_a_run_each_log_entry_is_read_once_and_only_then(warehouse, monkeypatch):
+    """The run's size, then its files: one read of each new entry
+    (`log_entries_kept`), kept no longer than the run."""
+    for i in range(3):
+        fx.write_halves(warehouse, fx.half(i))
+    path = table_path(warehouse, HALF)
+    upto = DeltaTable(path).version()
+    read: list[int] = []
+    reader = appends._read_log_entries
+    monkeypatch.setattr(
+        appends, "_read_log_entries", lambda p, vs: read.extend(vs) or reader(p, vs)
+    )
+    with appends.log_entries_kept():
+        assert appends.appended_rows(path, 0, upto) == 3
+        assert [v for v, _, _ in appends.appended_files(path, 0, upto)] == [1, 2, 3]
+        assert [v for v, _, _ in appends.appended_files(path, 1, upto)] == [2, 3]
+    assert read == [1, 2, 3]
+    assert appends.appended_rows(path, 0, upto) == 3  # after the run: read again
+    assert read == [1, 2, 3, 1, 2, 3]

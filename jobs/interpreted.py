@@ -1,0 +1,65 @@
+"""Small runs evaluate their expressions interpreted, not compiled.
+
+A run's own values (its clock, its number, its watermark) are literals in
+its plans, and Spark writes literals into the Java code it generates for a
+plan: each run's code differs from the last run's, so its code cache never
+hits and every run compiles some fifteen classes anew (Janino, then the
+JVM's JIT compilers). Over a few thousand rows that costs more than
+evaluating them interpreted; over a hundred thousand, compiled code wins
+(docs/performance.md, "Small runs run interpreted").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+log = logging.getLogger(__name__)
+
+#: a run reading at most this many rows (new half and OP rows, the pending
+#: set) runs interpreted
+INTERPRETED_MAX_ROWS = 20_000
+
+#: the session's settings while a small run runs: no whole-stage code, and
+#: Spark's expression factories take their interpreted form
+INTERPRETED = {
+    "spark.sql.codegen.wholeStage": "false",
+    "spark.sql.codegen.factoryMode": "NO_CODEGEN",
+}
+
+
+@contextmanager
+def interpreted_if_small(spark, rows: int | None) -> Iterator[bool]:
+    """Within: the session runs interpreted (`INTERPRETED`) if `rows`, a
+    run's estimate (None: unknown), is at most `INTERPRETED_MAX_ROWS`; yields
+    whether it does. The settings the session had are put back after, its
+    own (a notebook's) included.
+
+    >>> with interpreted_if_small(spark, 2_500) as interpreted:  # doctest: +SKIP
+    ...     reconcile_once(spark)
+    """
+    if rows is None or rows > INTERPRETED_MAX_ROWS:
+        yield False
+        return
+    before = {key: spark.conf.get(key, None) for key in INTERPRETED}
+    try:
+        for key, value in INTERPRETED.items():
+            spark.conf.set(key, value)
+    except Exception as exc:  # noqa: BLE001 - a session that refuses them runs compiled
+        log.info("running compiled: the session refused %s (%s)", sorted(INTERPRETED), exc)
+        _restore(spark, before)
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        _restore(spark, before)
+
+
+def _restore(spark, settings: dict[str, str | None]) -> None:
+    for key, value in settings.items():
+        if value is None:
+            spark.conf.unset(key)
+        else:
+            spark.conf.set(key, value)
