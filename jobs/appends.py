@@ -145,19 +145,18 @@ def _log_entries(path: str, versions: range) -> list[tuple[int, list[dict]]] | N
     """The actions of each version's log entry, from a local disk or an S3
     store (or `log_entries_kept`); None if one is missing."""
     with _kept_lock:
-        kept = dict(_kept) if _kept is not None else None
+        kept = _kept
+        unread = [v for v in versions if kept is None or (path, v) not in kept]
     if kept is None:
         return _read_log_entries(path, versions)
-    unread = [v for v in versions if (path, v) not in kept]
-    read = _read_log_entries(path, range(unread[0], versions.stop)) if unread else []
-    if read is None:
-        return None
+    if unread:
+        read = _read_log_entries(path, range(unread[0], versions.stop))
+        if read is None:
+            return None
+        with _kept_lock:
+            kept.update(((path, v), actions) for v, actions in read)
     with _kept_lock:
-        for version, actions in read:
-            kept[(path, version)] = actions
-            if _kept is not None:
-                _kept[(path, version)] = actions
-    return [(v, kept[(path, v)]) for v in versions]
+        return [(v, kept[(path, v)]) for v in versions]
 
 
 def _read_log_entries(path: str, versions: range) -> list[tuple[int, list[dict]]] | None:
