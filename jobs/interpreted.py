@@ -6,7 +6,7 @@ plan: each run's code differs from the last run's, so its code cache never
 hits and every run compiles some fifteen classes anew (Janino, then the
 JVM's JIT compilers). Over a few thousand rows that costs more than
 evaluating them interpreted; over a hundred thousand, compiled code wins
-(docs/performance.md, "Small runs run interpreted").
+(docs/performance.md, "Minutes into a continuous job").
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def interpreted_if_small(spark, rows: int | None) -> Iterator[bool]:
     own (a notebook's) included.
 
     >>> with interpreted_if_small(spark, 2_500) as interpreted:  # doctest: +SKIP
-    ...     reconcile_once(spark)
+    ...     spark.range(2_500).selectExpr("id * 2").count()
     """
     if rows is None or rows > INTERPRETED_MAX_ROWS:
         yield False

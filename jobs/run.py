@@ -221,14 +221,14 @@ def _rows_read(wh: str, record: run_log.RunRecord, pending: int | None) -> int |
     """The rows the run of `record` reads: the half and OP rows its versions
     add (their files' statistics) and the `pending` messages the last run
     left; None when the logs cannot tell or `pending` is None."""
+    if pending is None:
+        return None
     paths = inputs.input_paths(wh)
     new = [
         appends.appended_rows(paths["half"], record.prev_half_version, record.half_version),
         appends.appended_rows(paths["op"], record.prev_op_version, record.op_version),
     ]
-    if None in new or pending is None:
-        return None
-    return sum(n for n in new if n is not None) + pending
+    return None if None in new else sum(n for n in new if n is not None) + pending
 
 
 def _pending_after(last: run_log.RunRecord | None) -> int | None:
