@@ -67,7 +67,11 @@ def appended_files(path: str, after: int, upto: int) -> list[tuple[int, str, int
     entry missing (removed meanwhile) also gives None, and the change data
     feed then says what is wrong.
     """
-    if (local_path(path) is None and not is_s3(path)) or not plain_table(_rs_table(path, upto)):
+    if local_path(path) is None and not is_s3(path):
+        return None
+    plain_before = _plain_from.get(path)
+    checked = plain_before is not None and after <= plain_before <= upto
+    if not checked and not plain_table(_rs_table(path, upto)):
         return None
     entries = _log_entries(path, range(after + 1, upto + 1))
     if entries is None:
@@ -87,7 +91,17 @@ def appended_files(path: str, after: int, upto: int) -> list[tuple[int, str, int
     names = [f.rsplit("/", 1)[-1] for _, f, _ in files]
     if len(set(names)) != len(names):
         return None  # a file added twice, or two directories: leave it to the change feed
+    _plain_from[path] = upto
     return files
+
+
+#: by table path, a version at which the table was plain (`plain_table`):
+#: a later read of the commits after it (`appended_files`) needs no opening
+#: of the table, which replays its log from its last checkpoint (28 ms
+#: against 2 ms a read of 40 new commits), since each of those commits'
+#: protocol and metadata is checked on the way (`_plain`). Like the job's
+#: cursors, it assumes a table is not replaced by another at the same path.
+_plain_from: dict[str, int] = {}
 
 
 #: the most log entries `appended_rows` reads to count a run's new rows

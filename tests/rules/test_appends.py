@@ -366,3 +366,26 @@ def test_within_a_run_each_log_entry_is_read_once_and_only_then(warehouse, monke
     assert read == [1, 2, 3]
     assert appends.appended_rows(path, 0, upto) == 3  # after the run: read again
     assert read == [1, 2, 3, 1, 2, 3]
+
+
+def test_a_table_read_as_parquet_is_not_opened_again_but_a_later_column_mapping_is_seen(
+    spark, warehouse, monkeypatch
+):
+    """The next run's read of a producer table needs no replay of its log
+    (`appends._plain_from`): the commits it reads are checked one by one,
+    and one that maps columns still sends the read to the change feed."""
+    for i in range(3):
+        fx.write_halves(warehouse, fx.half(i))
+    path = table_path(warehouse, HALF)
+    assert [v for v, _, _ in appends.appended_files(path, 0, 2)] == [1, 2]
+    opened: list[int] = []
+    real = appends._rs_table
+    monkeypatch.setattr(appends, "_rs_table", lambda p, v: opened.append(v) or real(p, v))
+    assert [v for v, _, _ in appends.appended_files(path, 2, 3)] == [3]
+    assert opened == []
+    spark.sql(
+        f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('delta.minReaderVersion' = '2', "
+        "'delta.minWriterVersion' = '5', 'delta.columnMapping.mode' = 'name')"
+    )
+    assert appends.appended_files(path, 3, DeltaTable(path).version()) is None
+    assert opened == []
