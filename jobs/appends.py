@@ -97,10 +97,10 @@ def appended_files(path: str, after: int, upto: int) -> list[tuple[int, str, int
 
 #: by table path, a version at which the table was plain (`plain_table`):
 #: a later read of the commits after it (`appended_files`) needs no opening
-#: of the table, which replays its log from its last checkpoint (28 ms
-#: against 2 ms a read of 40 new commits), since each of those commits'
-#: protocol and metadata is checked on the way (`_plain`). Like the job's
-#: cursors, it assumes a table is not replaced by another at the same path.
+#: of the table, which replays its log from its last checkpoint, since each
+#: of those commits' protocol and metadata is checked on the way (`_plain`).
+#: Like the job's cursors, it assumes a table is not replaced by another at
+#: the same path.
 _plain_from: dict[str, int] = {}
 
 
