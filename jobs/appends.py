@@ -134,6 +134,34 @@ def appended_rows(path: str, after: int, upto: int) -> int | None:
     return rows
 
 
+def appended_range(path: str, after: int, upto: int, column: str) -> tuple[int, int] | None:
+    """The least and the greatest `column` (an integer column no row leaves
+    null) among the rows the commits (after, upto] added, from the
+    statistics (minValues, maxValues) of their `add` actions with
+    dataChange=true; None when nothing was added, or when `appended_rows`
+    would give None or a file's statistics of `column` are missing."""
+    if upto <= after or upto - after > COUNT_MAX_VERSIONS:
+        return None
+    if local_path(path) is None and not is_s3(path):
+        return None
+    entries = _log_entries(path, range(after + 1, upto + 1))
+    if entries is None:
+        return None
+    lows, highs = [], []
+    for _, actions in entries:
+        for action in actions:
+            add = action.get("add")
+            if add is None or not add.get("dataChange", True):
+                continue
+            try:
+                stats = json.loads(add.get("stats") or "{}")
+                lows.append(int(stats["minValues"][column]))
+                highs.append(int(stats["maxValues"][column]))
+            except (KeyError, ValueError, TypeError):
+                return None
+    return (min(lows), max(highs)) if lows else None
+
+
 #: within `log_entries_kept`: the log entries read, by (table path, version)
 _kept: dict[tuple[str, int], list[dict]] | None = None
 _kept_lock = threading.Lock()
@@ -271,6 +299,35 @@ def snapshot_files_by_stats(path: str, version: int, column: str, may_hold) -> l
     them is kept. Chosen in the driver from the log: Delta's own reader
     first rebuilds the table's state and filters its files in Spark jobs of
     their own, at every read."""
+    picked = _files_by_stats(path, version, column, may_hold)
+    return None if picked is None else picked[0]
+
+
+def snapshot_files_overlapping(
+    path: str, version: int, column: str, low: int, high: int
+) -> tuple[list[str], int] | None:
+    """`snapshot_files_by_stats` for the rows whose integer `column` lies in
+    [low, high], and how many rows those files hold in all (their
+    numRecords); None as there, or when a picked file's count is missing."""
+    import pyarrow.compute as pc
+
+    def overlaps(least, greatest):
+        return pc.and_(pc.less_equal(least, high), pc.greater_equal(greatest, low))
+
+    picked = _files_by_stats(path, version, column, overlaps)
+    if picked is None:
+        return None
+    uris, files = picked
+    if files is None:
+        return [], 0
+    if "num_records" not in files.column_names or files["num_records"].null_count:
+        return None
+    return uris, int(pc.sum(files["num_records"]).as_py() or 0)
+
+
+def _files_by_stats(path: str, version: int, column: str, may_hold):
+    """(`snapshot_files_by_stats`' files, their add actions as a pyarrow
+    table, None when the snapshot has no file), or None."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -279,13 +336,13 @@ def snapshot_files_by_stats(path: str, version: int, column: str, may_hold) -> l
         return None
     files = pa.table(table.get_add_actions(flatten=True))
     if files.num_rows == 0:
-        return []
+        return [], None
     low, high = f"min.{column}", f"max.{column}"
     if low in files.column_names and high in files.column_names:
         unknown = pc.or_kleene(pc.is_null(files[low]), pc.is_null(files[high]))
         files = files.filter(pc.or_kleene(unknown, may_hold(files[low], files[high])))
     wanted = {unquote(p).rsplit("/", 1)[-1] for p in files["path"].to_pylist()}
-    return [uri for uri in table.file_uris() if uri.rsplit("/", 1)[-1] in wanted]
+    return [uri for uri in table.file_uris() if uri.rsplit("/", 1)[-1] in wanted], files
 
 
 def snapshot_files_holding(

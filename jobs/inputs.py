@@ -181,6 +181,30 @@ def read_state_holding(
     return snapshot(spark, path, table, version)
 
 
+def read_state_in_range(
+    spark: SparkSession,
+    warehouse: str,
+    versions: dict[str, int],
+    table: TableSchema,
+    low: int,
+    high: int,
+) -> tuple[DataFrame, int] | None:
+    """(The rows of the state table as of the version pinned in `versions`
+    whose half_offset lies in [low, high], how many rows the files read for
+    them hold): read as parquet from the files whose statistics overlap the
+    range (`appends.snapshot_files_overlapping`); None when the log does
+    not allow it."""
+    path = table_path(warehouse, table)
+    version = versions.get(state_version_key(table), NO_VERSION)
+    if version == NO_VERSION:
+        return empty(spark, table), 0
+    picked = appends.snapshot_files_overlapping(path, version, "half_offset", low, high)
+    if picked is None:
+        return None
+    files, rows = picked
+    return _read_files(spark, table, files).where(F.col("half_offset").between(low, high)), rows
+
+
 def read_snapshot(spark: SparkSession, path: str, table: TableSchema, version: int) -> DataFrame:
     """The table as of `version` (`snapshot`), read as the parquet files of
     that snapshot when the log allows (`appends.snapshot_files`)."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pyspark.sql import functions as F
 from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
 
-from jobs import cancels, inputs, job_tables, run_log, scheduled
+from jobs import appends, cancels, inputs, job_tables, run_log, scheduled
 from jobs import transforms as T
 from jobs.counters import Counters
 from jobs.held import Held
@@ -31,6 +31,12 @@ from txn_core.vocabulary import Decision
 
 #: above this many OPs for messages no longer pending, look them up by a join, not IN (...)
 HISTORY_IN_LIST_MAX = 10_000
+
+
+#: up to this many rows of the history (`_sys/resolved`, `_sys/discard`)
+#: in the range of the run's OPs are read with the live messages
+#: (`_history_near`); above, those the OPs need are looked up by key
+HISTORY_NEAR_MAX_ROWS = 50_000
 
 
 #: up to this many decided rows (~100 bytes each) are sent whole to every task
@@ -154,8 +160,14 @@ def compute(
     targets = T.op_targets(live, no_history)
     if plain is not None:  # an OP naming a plain message of this run: a duplicate or a conflict
         targets = targets.unionByName(T.plain_targets(plain))
-    classified = held.checkpoint(counted.ops(T.classify_ops(ops, targets, discards=False), rules))
-    classified, discard_hist = _with_history(spark, wh, record, classified, held, counted, rules)
+    near = _history_near(spark, wh, record, targets)
+    targets, discard_hist, discards = (targets, None, False) if near is None else near
+    classified = T.classify_ops(ops, targets, discards=discards)
+    classified = held.checkpoint(counted.ops(classified, rules))
+    if near is None:  # the history of the OPs that name no live message, if any, by key
+        classified, discard_hist = _with_history(
+            spark, wh, record, classified, held, counted, rules
+        )
     # delayed transactional messages committed before their time: those
     # still ahead of the watermark are scheduled, the others placed by it
     observed = counted.values()
@@ -397,6 +409,41 @@ def _tables_of_undelivered(c: dict) -> list[str]:
         PENDING.path: _pending_changed(c),
     }
     return [table for table, written in wanted.items() if written]
+
+
+def _history_near(spark, wh: str, record: run_log.RunRecord, targets):
+    """(`targets` (the live messages, as `T.op_targets`) with what
+    `_sys/resolved` and `_sys/discard` say of the other messages whose
+    half_offset lies between the least and the greatest the run's OPs name,
+    the discard rows among them, whether there are any), so that an OP for
+    a message an earlier run resolved is classified in the same pass as the
+    others: `_with_history`'s second pass costs a Spark job to find such
+    OPs, and a second classification and checkpoint of them all.
+
+    None when the OP table's log entries lack the statistics to bound the
+    range, or the files of that range hold more than
+    `HISTORY_NEAR_MAX_ROWS` rows (an OP for a message long resolved): then
+    `_with_history` looks up the messages it needs by key.
+    """
+    span = appends.appended_range(
+        inputs.input_paths(wh)["op"], record.prev_op_version, record.op_version, "half_offset"
+    )
+    if span is None:
+        return None
+    read = [
+        inputs.read_state_in_range(spark, wh, record.state_versions, table, *span)
+        for table in (RESOLVED, DISCARD)
+    ]
+    if read[0] is None or read[1] is None or read[0][1] + read[1][1] > HISTORY_NEAR_MAX_ROWS:
+        return None
+    (resolved, n_resolved), (discarded, n_discarded) = read
+    if n_resolved + n_discarded == 0:
+        return targets, inputs.empty(spark, DISCARD), False
+    # as in `_with_history`: the history is that of the messages no live one stands for
+    live = F.broadcast(targets.select("half_offset"))
+    resolved = resolved.join(live, "half_offset", "left_anti")
+    discarded = discarded.join(live, "half_offset", "left_anti")
+    return targets.unionByName(T.history_targets(resolved, discarded)), discarded, n_discarded > 0
 
 
 def _with_history(

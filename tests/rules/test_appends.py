@@ -9,7 +9,7 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 
 from jobs import appends, inputs, job_tables, scheduled
-from schemas import HALF, PENDING, table_path
+from schemas import HALF, OP, PENDING, table_path
 from schemas.arrow import arrow_schema
 from schemas.spark import spark_schema
 from schemas.tables import RESOLVED, SCHEDULED
@@ -326,6 +326,50 @@ def test_resolved_messages_are_looked_up_in_the_files_whose_statistics_may_hold_
         assert sorted(r.half_offset for r in found.where("half_offset IN (40, 45)").collect()) == [
             40
         ]
+
+
+def test_the_history_near_a_runs_ops_is_read_from_the_files_whose_ranges_overlap_theirs(
+    spark, warehouse
+):
+    """The range of half_offsets a run's OPs name comes from their commits'
+    statistics; the history in that range from the files of `_sys/resolved`
+    whose own statistics overlap it, with their row count, so that a run
+    can tell whether reading them with the live messages is cheap."""
+    import json
+    import os
+
+    job_tables.ensure_job_tables(warehouse)
+    path = table_path(warehouse, RESOLVED)
+    for offsets in ((10, 20), (30, 40), (50, 60)):  # a file each, disjoint ranges
+        write_deltalake(path, _resolved(*offsets), mode="append")
+    ops = table_path(warehouse, OP)
+    fx.write_ops(warehouse, fx.op(fx.half(55)), fx.op(fx.half(38)))
+    start = DeltaTable(ops).version() - 1
+    fx.write_ops(warehouse, fx.op(fx.half(33)))
+    upto = DeltaTable(ops).version()
+    assert appends.appended_range(ops, start, upto, "half_offset") == (33, 55)
+    assert appends.appended_range(ops, upto - 1, upto, "half_offset") == (33, 33)
+    assert appends.appended_range(ops, upto, upto, "half_offset") is None  # nothing new
+
+    files, rows = appends.snapshot_files_overlapping(path, 3, "half_offset", 33, 55)
+    assert (len(files), rows) == (2, 4)
+    assert appends.snapshot_files_overlapping(path, 3, "half_offset", 41, 49) == ([], 0)
+    versions = {inputs.state_version_key(RESOLVED): 3}
+    near, rows = inputs.read_state_in_range(spark, warehouse, versions, RESOLVED, 33, 55)
+    assert (sorted(r.half_offset for r in near.collect()), rows) == ([40, 50], 4)
+    none_yet = {inputs.state_version_key(RESOLVED): job_tables.NO_VERSION}
+    near, rows = inputs.read_state_in_range(spark, warehouse, none_yet, RESOLVED, 0, 99)
+    assert (near.count(), rows) == (0, 0)
+
+    # a commit whose file has no statistics: the range cannot be bounded
+    log = os.path.join(ops, "_delta_log")
+    with open(os.path.join(log, f"{upto:020d}.json")) as entry:
+        actions = [json.loads(line) for line in entry if line.strip()]
+    for action in actions:
+        action.get("add", {}).pop("stats", None)
+    with open(os.path.join(log, f"{upto + 1:020d}.json"), "w") as entry:
+        entry.write("\n".join(json.dumps(a) for a in actions))
+    assert appends.appended_range(ops, start, upto + 1, "half_offset") is None
 
 
 def _holds(file: str, due_ms: int) -> bool:

@@ -9,6 +9,7 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
+from jobs import pipeline
 from jobs.reconcile import reconcile
 from jobs.status import status
 from schemas import CHECK_REQUESTS, DISCARD, HALF, PENDING, REJECTED, RUNS, table_path, topic_path
@@ -23,7 +24,15 @@ def rows(path: str, *, sort: str = "half_offset") -> list[dict]:
     return sorted(DeltaTable(path).to_pyarrow_table().to_pylist(), key=lambda r: r[sort])
 
 
-def test_runs_resolve_deliver_check_and_discard_across_runs(spark, warehouse):
+@pytest.mark.parametrize("history", ["read near the OPs", "looked up by key"])
+def test_runs_resolve_deliver_check_and_discard_across_runs(spark, warehouse, monkeypatch, history):
+    """OPs for messages no longer pending (late, an operator's) are judged
+    by the history the same way whether a run reads it with the live
+    messages or, when that would read too much, looks it up afterwards."""
+    if history == "looked up by key":
+        monkeypatch.setattr(pipeline, "HISTORY_NEAR_MAX_ROWS", -1)
+    else:
+        monkeypatch.setattr(pipeline, "_with_history", lambda *a: pytest.fail("a second pass"))
     cfg = {"warehouse": warehouse, "check_max": 1, "reserved_hours": 1}
     h1, h2, h5 = (fx.half(store_ms=T0 - 1000) for _ in range(3))
     h4 = fx.half(store_ms=T0 - 10_000)
