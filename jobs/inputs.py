@@ -196,7 +196,9 @@ def read_state_in_range(
     not allow it."""
     path = table_path(warehouse, table)
     version = versions.get(state_version_key(table), NO_VERSION)
-    if version == NO_VERSION:
+    # created and never written (`_sys/discard` in most warehouses): one
+    # log entry read, where opening the table lists and reads its log
+    if version == NO_VERSION or (version == 0 and appends.appended_rows(path, -1, 0) == 0):
         return empty(spark, table), 0
     picked = appends.snapshot_files_overlapping(path, version, "half_offset", low, high)
     if picked is None:

@@ -12,7 +12,7 @@ from jobs import appends, inputs, job_tables, scheduled
 from schemas import HALF, OP, PENDING, table_path
 from schemas.arrow import arrow_schema
 from schemas.spark import spark_schema
-from schemas.tables import RESOLVED, SCHEDULED
+from schemas.tables import DISCARD, RESOLVED, SCHEDULED
 
 import factories as fx
 
@@ -329,7 +329,7 @@ def test_resolved_messages_are_looked_up_in_the_files_whose_statistics_may_hold_
 
 
 def test_the_history_near_a_runs_ops_is_read_from_the_files_whose_ranges_overlap_theirs(
-    spark, warehouse
+    spark, warehouse, monkeypatch
 ):
     """The range of half_offsets a run's OPs name comes from their commits'
     statistics; the history in that range from the files of `_sys/resolved`
@@ -360,6 +360,11 @@ def test_the_history_near_a_runs_ops_is_read_from_the_files_whose_ranges_overlap
     none_yet = {inputs.state_version_key(RESOLVED): job_tables.NO_VERSION}
     near, rows = inputs.read_state_in_range(spark, warehouse, none_yet, RESOLVED, 0, 99)
     assert (near.count(), rows) == (0, 0)
+    with monkeypatch.context() as m:  # created, never written: not even opened
+        m.setattr(appends, "open_snapshot", lambda *a: pytest.fail("opened"))
+        versions = {inputs.state_version_key(DISCARD): 0}
+        near, rows = inputs.read_state_in_range(spark, warehouse, versions, DISCARD, 0, 99)
+        assert (near.count(), rows) == (0, 0)
 
     # a commit whose file has no statistics: the range cannot be bounded
     log = os.path.join(ops, "_delta_log")
