@@ -331,7 +331,13 @@ def main(argv=None) -> None:
     p.add_argument("--rates", default="100,1000,3000", help="messages per second, comma-separated")
     p.add_argument("--duration", type=float, default=180, help="seconds of sending per rate")
     p.add_argument("--every", default="1s", help="the continuous job's cadence")
-    p.add_argument("--threads", type=int, default=64, help="sender threads")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=128,
+        help="sender threads, each sending one message at a time (64 reach ~830 msg/s when "
+        "commits are 50 ms apart: each send waits for two)",
+    )
     p.add_argument("--body-bytes", type=int, default=2048)
     p.add_argument("--drain-s", type=float, default=120, help="wait for the last deliveries")
     p.add_argument(
