@@ -421,9 +421,10 @@ def _history_near(spark, wh: str, record: run_log.RunRecord, targets):
     OPs, and a second classification and checkpoint of them all.
 
     None when the OP table's log entries lack the statistics to bound the
-    range, or the files of that range hold more than
-    `HISTORY_NEAR_MAX_ROWS` rows (an OP for a message long resolved): then
-    `_with_history` looks up the messages it needs by key.
+    range, a history table cannot be read as parquet, or the files of that
+    range hold more than `HISTORY_NEAR_MAX_ROWS` rows (an OP for a message
+    long resolved): then `_with_history` looks up the messages it needs by
+    key.
     """
     span = appends.appended_range(
         inputs.input_paths(wh)["op"], record.prev_op_version, record.op_version, "half_offset"
