@@ -116,22 +116,13 @@ def appended_rows(path: str, after: int, upto: int) -> int | None:
     A prediction's input (the JVM a run gets), not the rows a run reads."""
     if upto <= after:
         return 0
-    if upto - after > COUNT_MAX_VERSIONS or (local_path(path) is None and not is_s3(path)):
+    stats = _added_stats(path, after, upto)
+    if stats is None:
         return None
-    entries = _log_entries(path, range(after + 1, upto + 1))
-    if entries is None:
+    try:
+        return sum(int(s["numRecords"]) for s in stats)
+    except (KeyError, ValueError, TypeError):
         return None
-    rows = 0
-    for _, actions in entries:
-        for action in actions:
-            add = action.get("add")
-            if add is None or not add.get("dataChange", True):
-                continue
-            try:
-                rows += int(json.loads(add.get("stats") or "{}")["numRecords"])
-            except (KeyError, ValueError, TypeError):
-                return None
-    return rows
 
 
 def appended_range(path: str, after: int, upto: int, column: str) -> tuple[int, int] | None:
@@ -140,26 +131,37 @@ def appended_range(path: str, after: int, upto: int, column: str) -> tuple[int, 
     statistics (minValues, maxValues) of their `add` actions with
     dataChange=true; None when nothing was added, or when `appended_rows`
     would give None or a file's statistics of `column` are missing."""
-    if upto <= after or upto - after > COUNT_MAX_VERSIONS:
+    stats = _added_stats(path, after, upto) if upto > after else None
+    if not stats:
         return None
-    if local_path(path) is None and not is_s3(path):
+    try:
+        lows = [int(s["minValues"][column]) for s in stats]
+        highs = [int(s["maxValues"][column]) for s in stats]
+    except (KeyError, ValueError, TypeError):
+        return None
+    return min(lows), max(highs)
+
+
+def _added_stats(path: str, after: int, upto: int) -> list | None:
+    """The statistics of each `add` action with dataChange=true in the
+    commits (after, upto], parsed (an action without them: an empty dict);
+    None when the table is neither local nor on S3, there are more than
+    `COUNT_MAX_VERSIONS` entries to read, or an entry is missing."""
+    if upto - after > COUNT_MAX_VERSIONS or (local_path(path) is None and not is_s3(path)):
         return None
     entries = _log_entries(path, range(after + 1, upto + 1))
     if entries is None:
         return None
-    lows, highs = [], []
+    stats = []
     for _, actions in entries:
         for action in actions:
             add = action.get("add")
-            if add is None or not add.get("dataChange", True):
-                continue
-            try:
-                stats = json.loads(add.get("stats") or "{}")
-                lows.append(int(stats["minValues"][column]))
-                highs.append(int(stats["maxValues"][column]))
-            except (KeyError, ValueError, TypeError):
-                return None
-    return (min(lows), max(highs)) if lows else None
+            if add is not None and add.get("dataChange", True):
+                try:
+                    stats.append(json.loads(add.get("stats") or "{}"))
+                except ValueError:
+                    stats.append({})  # unreadable: as good as missing
+    return stats
 
 
 #: within `log_entries_kept`: the log entries read, by (table path, version)
