@@ -320,7 +320,7 @@ def snapshot_files_overlapping(
     if picked is None:
         return None
     uris, files = picked
-    if files is None:
+    if files.num_rows == 0:
         return [], 0
     if "num_records" not in files.column_names or files["num_records"].null_count:
         return None
@@ -329,7 +329,7 @@ def snapshot_files_overlapping(
 
 def _files_by_stats(path: str, version: int, column: str, may_hold):
     """(`snapshot_files_by_stats`' files, their add actions as a pyarrow
-    table, None when the snapshot has no file), or None."""
+    table), or None."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -338,7 +338,7 @@ def _files_by_stats(path: str, version: int, column: str, may_hold):
         return None
     files = pa.table(table.get_add_actions(flatten=True))
     if files.num_rows == 0:
-        return [], None
+        return [], files
     low, high = f"min.{column}", f"max.{column}"
     if low in files.column_names and high in files.column_names:
         unknown = pc.or_kleene(pc.is_null(files[low]), pc.is_null(files[high]))
