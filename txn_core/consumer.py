@@ -51,9 +51,12 @@ def read_topic(
             f"topic {topic!r} has no table under {warehouse} yet (nothing delivered to it)"
         ) from None
     condition = pc.field("queue_offset") >= from_queue_offset
+    files = f"queue_offset >= {int(from_queue_offset)}"
     if queue_id is not None:
         condition = condition & (pc.field("queue_id") == queue_id)
-    rows = table.to_pyarrow_dataset().to_table(filter=condition)
+        files += f" AND queue_id = {int(queue_id)}"
+    # only the files whose statistics may hold such rows are opened
+    rows = table.to_pyarrow_dataset(file_pruning_predicate=files).to_table(filter=condition)
     rows = rows.sort_by([("queue_id", "ascending"), ("queue_offset", "ascending")])
     if limit is not None:
         rows = rows.slice(0, limit)

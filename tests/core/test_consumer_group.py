@@ -4,6 +4,7 @@ with delta-rs: no Spark."""
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 
@@ -11,7 +12,7 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from schemas import CONSUMER_OFFSETS, dlq_path, table_path
+from schemas import CONSUMER_OFFSETS, dlq_path, table_path, topic_path
 from schemas.arrow import arrow_schema
 from txn_core import (
     ConfigError,
@@ -22,6 +23,7 @@ from txn_core import (
     CorruptOffsetError,
     PushConsumer,
 )
+from txn_core.consumer import read_topic
 from txn_core.consumer_group import read_committed_offsets, retry_delay_s
 
 from factories import Clock, deliver
@@ -69,6 +71,23 @@ def test_poll_hands_out_messages_in_queue_order_and_continues_after_them(warehou
 
     deliver(warehouse, q0=range(3, 5), q2=range(1))
     assert offsets(consumer.poll()) == [(2, 0), (0, 3), (0, 4)]
+
+
+def test_a_poll_opens_only_the_files_that_may_hold_its_next_offsets(warehouse):
+    # a topic gains a file per run: a poll must not open them all, every time
+    deliver(warehouse, q0=range(3), q1=range(3))
+    deliver(warehouse, q0=range(3, 6), q1=range(3, 6))
+    consumer = Consumer(warehouse, GROUP, "ORDER")
+    assert len(consumer.poll(100)) == 12
+    for uri in DeltaTable(topic_path(warehouse, "ORDER")).file_uris():
+        os.remove(uri)  # gone from storage, still in the log
+    deliver(warehouse, q0=range(6, 8), q1=range(6, 7))
+
+    assert offsets(consumer.poll(100)) == [(0, 6), (1, 6), (0, 7)]
+    later = read_topic(warehouse, "ORDER", queue_id=0, from_queue_offset=6)
+    assert [(r["queue_id"], r["queue_offset"]) for r in later] == [(0, 6), (0, 7)]
+    with pytest.raises(OSError):  # what a read of every file meets
+        read_topic(warehouse, "ORDER")
 
 
 def test_a_new_consumer_of_the_group_resumes_at_the_commit(warehouse):
