@@ -163,10 +163,13 @@ def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSumm
         fault_point("after_intent")
         summary = _execute(spark, cfg, intent, lease, pending=_pending_after(last)).summary
     summary.redone_run_id = redone
-    if intent.run_number % job_tables.COMPACT_EVERY_RUNS == 0:
+    chores = job_tables.upkeep_due(intent.run_number)
+    if chores:
         lease.keep_alive()
-        job_tables.compact_job_tables(wh)
-        scheduled.upkeep(wh, summary.watermark_ms)
+        if "scheduled" in chores:
+            scheduled.upkeep(wh, summary.watermark_ms)
+        tables = tuple(t for t in job_tables.APPEND_ONLY_TABLES if t.path in chores)
+        job_tables.compact_job_tables(wh, tables)
     return summary
 
 
@@ -199,7 +202,7 @@ def idle_ahead(config: Config | dict, now_ms: int | None = None) -> bool:
     if last is None:
         return False
     intent = _new_intent(None, cfg.warehouse, last, cfg, now_ms)
-    return _nothing_to_do(last, intent) and intent.run_number % job_tables.COMPACT_EVERY_RUNS != 0
+    return _nothing_to_do(last, intent) and not job_tables.upkeep_due(intent.run_number)
 
 
 def rows_ahead(config: Config | dict, now_ms: int | None = None) -> int | None:

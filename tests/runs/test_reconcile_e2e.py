@@ -263,6 +263,21 @@ def test_idle_run_writes_one_record_until_something_is_due_or_the_rules_change(
     assert [r["_change_type"] for r in feed] == ["insert"]
 
 
+def test_the_upkeep_is_spread_over_the_runs_a_chore_after_a_run():
+    from jobs import job_tables
+
+    every = job_tables.COMPACT_EVERY_RUNS
+    due = {n: job_tables.upkeep_due(n) for n in range(1, 3 * every + 1)}
+    window = [chore for n in range(1, every + 1) for chore in due[n]]
+    # each chore once in any COMPACT_EVERY_RUNS runs, never two after one run
+    assert sorted(window) == sorted(job_tables.UPKEEP_CHORES)
+    assert all(due[n] == due[n + every] for n in range(1, 2 * every + 1))
+    assert max(len(chores) for chores in due.values()) == 1
+    assert set(job_tables.UPKEEP_CHORES) == {"scheduled"} | {
+        table.path for table in job_tables.APPEND_ONLY_TABLES
+    }
+
+
 @pytest.fixture
 def jvm_starts(spark, monkeypatch) -> list[bool]:
     """Whether each `main` of the CLI in the test asked for a short-lived JVM
