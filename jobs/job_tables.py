@@ -65,12 +65,13 @@ COMPACT_EVERY_RUNS = 100
 
 #: a compaction packs files under this size: one that reached it is left
 #: alone, where delta-rs' default (100 MB) rewrote a table's older rows at
-#: every round until it had 100 MB of them (~6 MB per 100 runs at 1,000 msg/s)
+#: every round until they came to 100 MB
 COMPACT_TARGET_BYTES = 16 << 20
 
 #: the chores of the job's upkeep: the scheduled set's (`jobs.scheduled.upkeep`),
 #: then the compaction of each append-only table
 UPKEEP_CHORES = ("scheduled", *(table.path for table in APPEND_ONLY_TABLES))
+
 #: the version of a table that does not exist yet
 NO_VERSION = -1
 
@@ -183,9 +184,9 @@ def latest_versions(warehouse: str, tables) -> dict[str, int]:
 def upkeep_due(run_number: int) -> list[str]:
     """The chores of `UPKEEP_CHORES` due after run `run_number`: each once
     every `COMPACT_EVERY_RUNS` runs, spread over them, so that a run waits
-    for one chore, not for all (together they paused a continuous job at
-    1,000 msg/s for 0.8 s, and the next run then ran longer over what had
-    come meanwhile).
+    for one chore, not for all: a continuous job's next run reads what came
+    during the pause, and a long pause made it a long run
+    (docs/performance.md, "The consumer's poll, and the job's upkeep").
 
     >>> [upkeep_due(n) for n in (100, 101, 116)]
     [['scheduled'], [], ['_sys/runs']]

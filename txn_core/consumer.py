@@ -19,7 +19,7 @@ from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
 from schemas import topic_path
-from txn_core.config import Config
+from txn_core.config import Config, ConfigError
 from txn_core.message import validate_topic
 from txn_core.storage import Storage, options_for, use
 from txn_core.tables import MissingTableError
@@ -41,6 +41,9 @@ def read_topic(
     delivered to the topic.
     """
     validate_topic(topic)
+    from_queue_offset = _non_negative("from_queue_offset", from_queue_offset)
+    if queue_id is not None:
+        queue_id = _non_negative("queue_id", queue_id)
     if isinstance(warehouse, Config):
         warehouse = use(Storage.from_config(warehouse), check=False).warehouse
     uri = topic_path(warehouse, topic)
@@ -51,10 +54,10 @@ def read_topic(
             f"topic {topic!r} has no table under {warehouse} yet (nothing delivered to it)"
         ) from None
     condition = pc.field("queue_offset") >= from_queue_offset
-    files = f"queue_offset >= {int(from_queue_offset)}"
+    files = f"queue_offset >= {from_queue_offset}"
     if queue_id is not None:
         condition = condition & (pc.field("queue_id") == queue_id)
-        files += f" AND queue_id = {int(queue_id)}"
+        files += f" AND queue_id = {queue_id}"
     # only the files whose statistics may hold such rows are opened
     rows = table.to_pyarrow_dataset(file_pruning_predicate=files).to_table(filter=condition)
     rows = rows.sort_by([("queue_id", "ascending"), ("queue_offset", "ascending")])
@@ -62,3 +65,9 @@ def read_topic(
         rows = rows.slice(0, limit)
     messages: list[dict[str, Any]] = rows.to_pylist()
     return messages
+
+
+def _non_negative(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{name} must be a non-negative integer; got {value!r}")
+    return value

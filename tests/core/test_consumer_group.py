@@ -90,6 +90,20 @@ def test_a_poll_opens_only_the_files_that_may_hold_its_next_offsets(warehouse):
         read_topic(warehouse, "ORDER")
 
 
+@pytest.mark.parametrize(
+    "kwargs, problem",
+    [
+        ({"from_queue_offset": -1}, "from_queue_offset must be a non-negative integer; got -1"),
+        ({"from_queue_offset": "5"}, "from_queue_offset must be a non-negative integer; got '5'"),
+        ({"queue_id": 1.0}, "queue_id must be a non-negative integer; got 1.0"),
+    ],
+)
+def test_read_topic_refuses_an_offset_or_queue_that_is_not_one(warehouse, kwargs, problem):
+    deliver(warehouse, q0=range(2))
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        read_topic(warehouse, "ORDER", **kwargs)
+
+
 def test_a_new_consumer_of_the_group_resumes_at_the_commit(warehouse):
     deliver(warehouse, q0=range(4), q1=range(2))
     consumer = Consumer(warehouse, GROUP, "ORDER", clock=Clock())
