@@ -185,8 +185,8 @@ def upkeep_due(run_number: int) -> list[str]:
     """The chores of `UPKEEP_CHORES` due after run `run_number`: each once
     every `COMPACT_EVERY_RUNS` runs, spread over them, so that a run waits
     for one chore, not for all: a continuous job's next run reads what came
-    during the pause, and a long pause made it a long run
-    (docs/performance.md, "The consumer's poll, and the job's upkeep").
+    during the pause, and a long pause made it a long run (docs/performance.md,
+    "The consumer's poll, and the job's upkeep in the timed part").
 
     >>> [upkeep_due(n) for n in (100, 101, 116)]
     [['scheduled'], [], ['_sys/runs']]
