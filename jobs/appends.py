@@ -29,6 +29,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 
+from jobs import transforms as T
 from jobs.local import local_frame
 from schemas import TableSchema
 from schemas.arrow import arrow_schema
@@ -419,7 +420,7 @@ def read_appended(
         return _read_in_driver(spark, files, table)
     rows = spark.read.schema(spark_schema(table)).parquet(*[f for _, f, _ in files])
     if len(files) <= VERSION_MAP_MAX_FILES:
-        return rows.select(*table.names, _commit_version(files).alias("commit_version"))
+        return T.select(rows, *table.names, f"{_commit_version(files)} AS commit_version")
     versions = local_frame(spark, [(os.path.basename(f), v) for v, f, _ in files], _FILE_VERSIONS)
     return (
         rows.withColumn("_file", F.col("_metadata.file_name"))
@@ -435,14 +436,14 @@ def read_appended(
 VERSION_MAP_MAX_FILES = 256
 
 
-def _commit_version(files: list[tuple[int, str, int]]):
-    """The version that added each row's file, as an expression: a literal
-    when every file came in one commit, else a lookup of its name."""
+def _commit_version(files: list[tuple[int, str, int]]) -> str:
+    """SQL: the version that added each row's file, a literal when every
+    file came in one commit, else a lookup of its name."""
     versions = {v for v, _, _ in files}
     if len(versions) == 1:
-        return F.lit(versions.pop()).cast("bigint")  # a small literal would be an int
-    by_name = [F.lit(x) for v, f, _ in files for x in (os.path.basename(f), v)]
-    return F.element_at(F.create_map(*by_name), F.col("_metadata.file_name")).cast("bigint")
+        return f"CAST({versions.pop()} AS BIGINT)"  # a small literal would be an int
+    by_name = ", ".join(f"{T.sql_string(os.path.basename(f))}, {v}" for v, f, _ in files)
+    return f"CAST(element_at(map({by_name}), _metadata.file_name) AS BIGINT)"
 
 
 def _read_in_driver(

@@ -18,18 +18,18 @@ from __future__ import annotations
 
 from itertools import count
 
-from pyspark.sql import Column, DataFrame, Observation
+from pyspark.sql import DataFrame, Observation
 from pyspark.sql import functions as F
 
 from jobs import transforms as T
 from txn_core.vocabulary import CANCEL, Action, Decision, OpOutcome
 
 
-def _where(cond: str) -> Column:
-    """How many rows meet the SQL condition `cond` (0, not null, when there
-    are none). SQL text, as in `T.conform`: one call into the JVM per
+def _where(cond: str) -> str:
+    """SQL: how many rows meet the SQL condition `cond` (0, not null, when
+    there are none). SQL text, as in `T.select`: one call into the JVM per
     counter instead of a dozen."""
-    return F.expr(f"coalesce(sum(CASE WHEN {cond} THEN 1 ELSE 0 END), 0)")
+    return f"coalesce(sum(CASE WHEN {cond} THEN 1 ELSE 0 END), 0)"
 
 
 _NO_CANCEL = f"action != '{CANCEL}'"
@@ -37,8 +37,8 @@ _NO_CANCEL = f"action != '{CANCEL}'"
 _DELAYED = "coalesce(due_ms > store_ms, false)"
 
 
-def _rows() -> Column:
-    return F.count(F.lit(1))
+#: SQL: how many rows
+_ROWS = "count(1)"
 
 
 _ids = count()
@@ -49,12 +49,17 @@ class Counters:
 
     def __init__(self) -> None:
         self._seen: dict[str, Observation] = {}
+        # an observation's values once fetched: they never change, and each
+        # fetch is a few calls into the JVM, for every call of `values`
+        self._got: dict[str, dict] = {}
 
-    def _observe(self, name: str, df: DataFrame, *aggregates: Column) -> DataFrame:
+    def _observe(self, name: str, df: DataFrame, **counters: str) -> DataFrame:
+        """`df` observed under `name`: each counter the SQL aggregate given."""
         # a name of its own in the process: Spark tells observations apart by name
         seen = Observation(f"{name}-{next(_ids)}")
         self._seen[name] = seen
-        return df.observe(seen, *aggregates)
+        self._got.pop(name, None)
+        return df.observe(seen, *[F.expr(f"{sql} AS {c}") for c, sql in counters.items()])
 
     def halves(self, half: DataFrame) -> DataFrame:
         """`half`, the new half rows `T.with_reject_reason`, counted (read,
@@ -63,13 +68,13 @@ class Counters:
         return self._observe(
             "half",
             half,
-            _rows().alias("half_read"),
-            _where(f"{T.REJECT_REASON} IS NOT NULL").alias("rejected_halves"),
-            _where(f"{T.REJECT_REASON} IS NULL AND {T.IS_PLAIN}").alias("plain"),
+            half_read=_ROWS,
+            rejected_halves=_where(f"{T.REJECT_REASON} IS NOT NULL"),
+            plain=_where(f"{T.REJECT_REASON} IS NULL AND {T.IS_PLAIN}"),
         )
 
     def pending(self, pending_prev: DataFrame) -> DataFrame:
-        return self._observe("pending", pending_prev, _rows().alias("pending_before"))
+        return self._observe("pending", pending_prev, pending_before=_ROWS)
 
     def ops(self, classified: DataFrame, rules: T.Rules) -> DataFrame:
         """`classified` (`T.classify_ops`), counted by outcome. Called again
@@ -83,26 +88,22 @@ class Counters:
         return self._observe(
             "ops",
             classified,
-            _rows().alias("op_read"),
-            _where(f"outcome = '{OpOutcome.WIN}' AND action = '{Action.COMMIT}'").alias(
-                "committed"
-            ),
-            _where(f"outcome = '{OpOutcome.WIN}' AND action = '{Action.ROLLBACK}'").alias(
-                "rolled_back"
-            ),
-            _where(f"outcome = '{OpOutcome.DUPLICATE}'").alias("duplicate_ops"),
-            _where(f"outcome = '{OpOutcome.CONFLICT}'").alias("conflicting_ops"),
+            op_read=_ROWS,
+            committed=_where(f"outcome = '{OpOutcome.WIN}' AND action = '{Action.COMMIT}'"),
+            rolled_back=_where(f"outcome = '{OpOutcome.WIN}' AND action = '{Action.ROLLBACK}'"),
+            duplicate_ops=_where(f"outcome = '{OpOutcome.DUPLICATE}'"),
+            conflicting_ops=_where(f"outcome = '{OpOutcome.CONFLICT}'"),
             # a cancel's outcome is its own step's to count (`jobs.cancels`)
-            _where(f"outcome = '{OpOutcome.INVALID}' AND {_NO_CANCEL}").alias("invalid_ops"),
-            _where(f"outcome = '{OpOutcome.LATE}' AND {_NO_CANCEL}").alias("late_ops"),
-            _where(f"action = '{CANCEL}'").alias("_cancel_ops"),
-            _where(
+            invalid_ops=_where(f"outcome = '{OpOutcome.INVALID}' AND {_NO_CANCEL}"),
+            late_ops=_where(f"outcome = '{OpOutcome.LATE}' AND {_NO_CANCEL}"),
+            _cancel_ops=_where(f"action = '{CANCEL}'"),
+            _commits_of_delayed=_where(
                 f"outcome = '{OpOutcome.WIN}' AND action = '{Action.COMMIT}' AND due_ms IS NOT NULL"
-            ).alias("_commits_of_delayed"),
-            _where(f"reason = '{T.UNKNOWN_OFFSET}'").alias("_unknown_offset_ops"),
-            _where(won_delayed).alias("_commits_delayed"),
-            _where(later).alias("_commits_later"),
-            F.expr(f"min(CASE WHEN {later} THEN due_ms END)").alias("_commits_later_earliest"),
+            ),
+            _unknown_offset_ops=_where(f"reason = '{T.UNKNOWN_OFFSET}'"),
+            _commits_delayed=_where(won_delayed),
+            _commits_later=_where(later),
+            _commits_later_earliest=f"min(CASE WHEN {later} THEN due_ms END)",
         )
 
     def fates(self, fates: DataFrame, rules: T.Rules) -> DataFrame:
@@ -113,30 +114,29 @@ class Counters:
         return self._observe(
             "fates",
             fates,
-            _where(f"decision = '{Decision.CHECK}'").alias("check_requests"),
-            _where(f"decision = '{Decision.MAX_CHECKS}'").alias("discarded_max_checks"),
-            _where(f"decision = '{Decision.EXPIRED}'").alias("discarded_expired"),
-            _where(pending).alias("pending_after"),
-            F.expr(f"max(CASE WHEN {pending} THEN age_ms END)").alias("oldest_pending_age_ms"),
-            F.min(
-                F.when(F.expr(pending), T.due_at_ms(rules, last_check_ms=T.last_check_after(rules)))
-            ).alias("next_due_ms"),
+            check_requests=_where(f"decision = '{Decision.CHECK}'"),
+            discarded_max_checks=_where(f"decision = '{Decision.MAX_CHECKS}'"),
+            discarded_expired=_where(f"decision = '{Decision.EXPIRED}'"),
+            pending_after=_where(pending),
+            oldest_pending_age_ms=f"max(CASE WHEN {pending} THEN age_ms END)",
+            next_due_ms=f"min(CASE WHEN {pending} "
+            f"THEN {T.due_at_sql(rules, T.last_check_after_sql(rules))} END)",
         )
 
     def bodies(self, rows: DataFrame) -> DataFrame:
         """`rows` (messages with their bodies), with the bytes of their bodies
         counted (`_body_bytes`): what collecting them would hold."""
-        return self._observe(
-            "bodies", rows, F.expr("coalesce(sum(length(body)), 0)").alias("_body_bytes")
-        )
+        return self._observe("bodies", rows, _body_bytes="coalesce(sum(length(body)), 0)")
 
     def values(self) -> dict:
         """Every counter observed so far; waits for the actions that compute them.
         `committed` counts the plain messages (`plain`, delivered by the run
         that reads them) with the winning COMMITs, once both are observed."""
         out: dict = {}
-        for seen in self._seen.values():
-            out.update(seen.get)
+        for name, seen in self._seen.items():
+            if name not in self._got:
+                self._got[name] = seen.get
+            out.update(self._got[name])
         if "committed" in out and "plain" in out:
             out["committed"] += out["plain"]
         return out

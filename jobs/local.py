@@ -17,6 +17,7 @@ them, and the optimizer removes an empty one from the plan altogether.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import pyarrow as pa
@@ -24,14 +25,21 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import StructType
 
+#: each session's empty frames by schema: a run takes several, and each
+#: `createDataFrame` is some forty calls into the JVM; a DataFrame never
+#: changes, so one serves every run of the session
+_EMPTY: weakref.WeakKeyDictionary[SparkSession, dict[str, DataFrame]] = weakref.WeakKeyDictionary()
+
 
 def local_frame(spark: SparkSession, rows: Sequence[tuple], schema: StructType) -> DataFrame:
     """`rows` (tuples in `schema`'s column order; none for an empty frame)
     as a DataFrame of exactly `schema`, types and nullability included."""
     arrow = to_arrow_schema(schema)
-    if rows:
-        columns = [pa.array(list(values), type=f.type) for values, f in zip(zip(*rows), arrow)]
-        table = pa.Table.from_arrays(columns, schema=arrow)
-    else:
-        table = arrow.empty_table()
-    return spark.createDataFrame(table, schema)
+    if not rows:
+        empties = _EMPTY.setdefault(spark, {})
+        key = schema.json()
+        if key not in empties:
+            empties[key] = spark.createDataFrame(arrow.empty_table(), schema)
+        return empties[key]
+    columns = [pa.array(list(values), type=f.type) for values, f in zip(zip(*rows), arrow)]
+    return spark.createDataFrame(pa.Table.from_arrays(columns, schema=arrow), schema)

@@ -292,7 +292,7 @@ def compute(
         body_bytes = counted.values()["_body_bytes"]
 
     def with_decision(*decisions: str):
-        return undelivered.where(F.col("decision").isin(*decisions))
+        return undelivered.where(f"decision IN {T.sql_strings(decisions)}")
 
     return Outputs(
         requests=T.check_requests(with_decision(Decision.CHECK), rules),

@@ -13,6 +13,7 @@ columns never go through the rules' joins and sorts.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 
 from pyspark.sql import Column, DataFrame, Window
@@ -135,6 +136,21 @@ class Rules:
         return cls(**json.loads(text))
 
 
+def select(df: DataFrame, *exprs: str) -> DataFrame:
+    """`df.select(...)` of SQL text: column names and expressions (`"a + 1
+    AS b"`). A name handed to `DataFrame.select` costs three calls into the
+    JVM (PySpark builds a Column for it), and each `F` function as many;
+    text costs one per item, which a small run's driver feels (docs/performance.md,
+    "What a small run is made of").
+
+    >>> select(df, "half_offset", "store_ms AS commit_ms")  # doctest: +SKIP
+    """
+    return df.selectExpr(*[f"`{e}`" if _NAME.fullmatch(e) else e for e in exprs])
+
+
+_NAME = re.compile(r"\w+")
+
+
 def conform(df: DataFrame, table: TableSchema, *extra: str) -> DataFrame:
     """Select `table`'s columns in order with their exact types (plus `extra` as is).
 
@@ -156,9 +172,14 @@ def conform(df: DataFrame, table: TableSchema, *extra: str) -> DataFrame:
     return df.selectExpr(*exprs, *[f"`{name}`" for name in extra])
 
 
-def _sql_strings(values) -> str:
-    """('A', 'B') for SQL's IN, from constants of this module."""
-    return "(" + ", ".join(f"'{v}'" for v in values) + ")"
+def sql_strings(values) -> str:
+    """('A', 'B') for SQL's IN (the vocabulary's constants, say)."""
+    return "(" + ", ".join(sql_string(str(v)) for v in values) + ")"
+
+
+def sql_string(value: str) -> str:
+    """`value` as a SQL string literal, whatever it holds (a run id, a path)."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 # --- 1. new half rows ----------------------------------------------------------
@@ -178,7 +199,7 @@ def half_reject_reason() -> Column:
 
 # SQL text, as the OP rules: Columns need a session, these are module constants.
 #: a half row's message_type is not one this job knows (null: TRANSACTION)
-_UNKNOWN_TYPE = f"coalesce(NOT message_type IN {_sql_strings(MessageType)}, false)"
+_UNKNOWN_TYPE = f"coalesce(NOT message_type IN {sql_strings(MessageType)}, false)"
 #: a half row is a plain message (`Producer.send`): committed by its own store
 IS_PLAIN = f"coalesce(message_type = '{MessageType.NORMAL}', false)"
 
@@ -198,15 +219,15 @@ def split_halves(new_half: DataFrame, rules: Rules) -> tuple[DataFrame, DataFram
     """(accepted half rows, REJECTED rows for the others); `new_half` may
     come `with_reject_reason` already."""
     tagged = new_half if REJECT_REASON in new_half.columns else with_reject_reason(new_half)
-    reason = F.col(REJECT_REASON)
-    accepted = tagged.where(reason.isNull()).drop(REJECT_REASON)
-    rejected = tagged.where(reason.isNotNull()).select(
-        F.lit(HALF.path).alias("source_table"),
-        F.col("half_offset").alias("row_offset"),
+    accepted = tagged.where(f"{REJECT_REASON} IS NULL").drop(REJECT_REASON)
+    rejected = select(
+        tagged.where(f"{REJECT_REASON} IS NOT NULL"),
+        f"{sql_string(HALF.path)} AS source_table",
+        "half_offset AS row_offset",
         "transaction_id",
         "producer_group",
-        reason.alias("reason"),
-        F.lit(rules.run_id).alias("run_id"),
+        f"{REJECT_REASON} AS reason",
+        f"{sql_string(rules.run_id)} AS run_id",
     )
     return accepted, conform(rejected, REJECTED)
 
@@ -247,7 +268,7 @@ def split_plain(plain: DataFrame, rules: Rules) -> tuple[DataFrame, DataFrame]:
 def plain_keys(plain_half: DataFrame) -> DataFrame:
     """The PLAIN_KEY_COLUMNS of the plain half rows `split_kinds` gives (with
     their `commit_version`: the `_sys/half` version that stored them)."""
-    return plain_half.select(*PLAIN_KEY_COLUMNS)
+    return select(plain_half, *PLAIN_KEY_COLUMNS)
 
 
 def plain_targets(plain: DataFrame) -> DataFrame:
@@ -300,10 +321,8 @@ def scheduled_rows(plain_half: DataFrame, rules: Rules) -> DataFrame:
 def split_won(won: DataFrame, rules: Rules) -> tuple[DataFrame, DataFrame]:
     """(the winning OPs (`winners`) this run applies now, the COMMITs of
     delayed messages due after its watermark: scheduled, delivered later)."""
-    later = (F.col("action") == Action.COMMIT) & F.coalesce(
-        F.col("due_ms") > F.lit(rules.watermark_ms), F.lit(False)
-    )
-    return won.where(~later), won.where(later)
+    later = f"action = '{Action.COMMIT}' AND coalesce(due_ms > {rules.watermark_ms}, false)"
+    return won.where(f"NOT ({later})"), won.where(later)
 
 
 def scheduled_commits(later: DataFrame, messages: DataFrame, rules: Rules) -> DataFrame:
@@ -349,18 +368,19 @@ def scheduled_winners(due: DataFrame) -> DataFrame:
 
 def live_messages(pending_prev: DataFrame, accepted_half: DataFrame, rules: Rules) -> DataFrame:
     """The messages this run may resolve or check: the carried pending set plus new halves."""
-    fresh = (
-        accepted_half.withColumn("checks_sent", F.lit(0))
-        .withColumn("checks_undecided", F.lit(0))
-        .withColumn("last_check_ms", F.lit(None).cast("bigint"))
-        .withColumn("run_number", F.lit(rules.run_number))
+    fresh = _replaced(
+        accepted_half,
+        checks_sent="0",
+        checks_undecided="0",
+        last_check_ms="CAST(NULL AS BIGINT)",
+        run_number=str(rules.run_number),
     )
     return conform(pending_prev, PENDING).unionByName(conform(fresh, PENDING))
 
 
 def message_keys(messages: DataFrame) -> DataFrame:
     """`messages` (PENDING rows) without their BODY_COLUMNS: all the rules need."""
-    return messages.select(*MESSAGE_KEY_COLUMNS)
+    return select(messages, *MESSAGE_KEY_COLUMNS)
 
 
 # --- 2. OPs ----------------------------------------------------------------
@@ -369,14 +389,15 @@ def message_keys(messages: DataFrame) -> DataFrame:
 def history_targets(resolved: DataFrame, discarded: DataFrame) -> DataFrame:
     """What the history says about some messages: how they were resolved
     (`prior_action`) and whether they were discarded."""
-    res = resolved.select(
+    res = select(
+        resolved,
         "half_offset",
         "transaction_id",
         "producer_group",
         "topic",
-        F.lit(None).cast("int").alias("queue_id"),
-        F.col("action").alias("prior_action"),
-        F.col("after_discard").alias("discarded"),
+        "CAST(NULL AS INT) AS queue_id",
+        "action AS prior_action",
+        "after_discard AS discarded",
     )
     dis = _targets(discarded, discarded=True)
     # the rows of one message agree on its identity; max() just picks it deterministically
@@ -385,8 +406,8 @@ def history_targets(resolved: DataFrame, discarded: DataFrame) -> DataFrame:
     return (
         res.unionByName(dis.drop("due_ms"))
         .groupBy("half_offset")
-        .agg(*[F.max(c).alias(c) for c in (*_IDENTITY[1:], "prior_action", "discarded")])
-        .withColumn("due_ms", F.lit(None).cast("bigint"))
+        .agg(*[F.expr(f"max({c}) AS {c}") for c in (*_IDENTITY[1:], "prior_action", "discarded")])
+        .selectExpr("*", "CAST(NULL AS BIGINT) AS due_ms")
     )
 
 
@@ -402,14 +423,13 @@ _IDENTITY = ("half_offset", "transaction_id", "producer_group", "topic", "queue_
 def _targets(messages: DataFrame, *, discarded: bool) -> DataFrame:
     """`messages` as OP targets no OP resolved before, with the due time
     (`due_ms`) of a delayed one (null: not delayed, or not known)."""
-    due = (
-        F.expr(_DUE) if "deliver_at_ms" in messages.columns else F.lit(None).cast("bigint")
-    ).alias("due_ms")
-    return messages.select(
+    due = _DUE if "deliver_at_ms" in messages.columns else "CAST(NULL AS BIGINT)"
+    return select(
+        messages,
         *_IDENTITY,
-        F.lit(None).cast("string").alias("prior_action"),
-        F.lit(discarded).alias("discarded"),
-        due,
+        "CAST(NULL AS STRING) AS prior_action",
+        f"{str(discarded).lower()} AS discarded",
+        f"{due} AS due_ms",
     )
 
 
@@ -417,7 +437,7 @@ def _targets(messages: DataFrame, *, discarded: bool) -> DataFrame:
 _DUE = "CASE WHEN deliver_at_ms > store_ms THEN deliver_at_ms END"
 
 
-_VALID_OP = f"(action IN {_sql_strings(Action)} AND source IN {_sql_strings(Source)})"
+_VALID_OP = f"(action IN {sql_strings(Action)} AND source IN {sql_strings(Source)})"
 _ADMIN_OP = f"({_VALID_OP} AND source = '{Source.ADMIN}')"
 # valid OPs first, in commit order; the same for every candidate winner
 _OP_RANK = (
@@ -428,8 +448,8 @@ _OP_RANK = (
 # so the first row holds the first valid action whenever there is one
 _UPTO_HERE = f"({_OP_RANK} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)"
 _OP_INVALID = f"""CASE WHEN _t_txn IS NULL THEN '{UNKNOWN_OFFSET}'
-    WHEN NOT action IN {_sql_strings([*Action, CANCEL])} THEN 'invalid action'
-    WHEN NOT source IN {_sql_strings(Source)} THEN 'invalid source'
+    WHEN NOT action IN {sql_strings([*Action, CANCEL])} THEN 'invalid action'
+    WHEN NOT source IN {sql_strings(Source)} THEN 'invalid source'
     WHEN producer_group != _t_group THEN 'producer_group mismatch'
     WHEN transaction_id != _t_txn THEN 'transaction_id mismatch' END"""
 _DISCARDED = "coalesce(discarded, false)"
@@ -558,7 +578,8 @@ def op_rejections(classified: DataFrame, rules: Rules) -> DataFrame:
 def winners(classified: DataFrame) -> DataFrame:
     """The winning OPs: the message each decides (its keys: the OP matched
     them) and the decision."""
-    return classified.where(F.col("outcome") == OpOutcome.WIN).select(
+    return select(
+        classified.where(f"outcome = '{OpOutcome.WIN}'"),
         "half_offset",
         "transaction_id",
         "producer_group",
@@ -568,14 +589,14 @@ def winners(classified: DataFrame) -> DataFrame:
         "source",
         "op_offset",
         "commit_version",
-        F.col("store_ms").alias("op_store_ms"),
+        "store_ms AS op_store_ms",
         "discarded",
         # a delayed message committed before its time is placed by that
         # time (and scheduled while it is ahead); committed at or after
         # it, by its commit, as any other
-        F.when(F.col("due_ms") > F.col("store_ms"), F.col("due_ms")).alias("due_ms"),
+        "CASE WHEN due_ms > store_ms THEN due_ms END AS due_ms",
         # the message's own due time, however late the commit: a cancel applies
-        F.col("due_ms").alias("target_due_ms"),
+        "due_ms AS target_due_ms",
     )
 
 
@@ -601,26 +622,21 @@ def queue_positions(
     together.
     """
     # a row per queue: sent whole to the tasks, which keep their partitioning
-    base = F.broadcast(queues.select("topic", "queue_id", "next_queue_offset"))
-    order = Window.partitionBy("topic", "queue_id").orderBy(*_merge_order(plain))
+    base = F.broadcast(select(queues, "topic", "queue_id", "next_queue_offset"))
+    order = f"PARTITION BY topic, queue_id ORDER BY {', '.join(_merge_order(plain))}"
     # only what the ordering and the fate need: every row goes through a sort
     wanted = ["half_offset", "topic", "queue_id", "commit_version", "op_offset", "op_store_ms"]
     wanted += ["source"] + (["due_ms"] if "due_ms" in won.columns else [])
-    rows = won.where(F.col("action") == Action.COMMIT).select(*wanted)
+    rows = select(won.where(f"action = '{Action.COMMIT}'"), *wanted)
     if one_task:
         rows = rows.coalesce(1)
-    return (
-        _with_merge_key(rows, plain)
-        .join(base, ["topic", "queue_id"], "left")
-        .select(
-            "half_offset",
-            "topic",
-            "queue_id",
-            (
-                F.coalesce(F.col("next_queue_offset"), F.lit(0)) + F.row_number().over(order) - 1
-            ).alias("queue_offset"),
-            F.col("op_store_ms").alias("commit_ms"),
-        )
+    return select(
+        _with_merge_key(rows, plain).join(base, ["topic", "queue_id"], "left"),
+        "half_offset",
+        "topic",
+        "queue_id",
+        f"coalesce(next_queue_offset, 0) + row_number() OVER ({order}) - 1 AS queue_offset",
+        "op_store_ms AS commit_ms",
     )
 
 
@@ -683,38 +699,34 @@ def queue_ends(won: DataFrame, queues: DataFrame, *, one_task: bool = False) -> 
     the inputs' partitioning, where a shuffle of the counts and a broadcast
     of the queues take three.
     """
-    base = queues.select("topic", "queue_id", "next_queue_offset")
-    commits = won.where(F.col("action") == Action.COMMIT)
+    base = select(queues, "topic", "queue_id", "next_queue_offset")
+    commits = won.where(f"action = '{Action.COMMIT}'")
     if one_task:
         counted = (
-            commits.select(
-                "topic",
-                "queue_id",
-                F.lit(1).alias("_n"),
-                F.lit(None).cast("bigint").alias("next_queue_offset"),
+            select(
+                commits, "topic", "queue_id", "1 AS _n", "CAST(NULL AS BIGINT) AS next_queue_offset"
             )
-            .unionByName(base.withColumn("_n", F.lit(0)))
+            .unionByName(select(base, "*", "0 AS _n"))
             .coalesce(1)
             .groupBy("topic", "queue_id")
             .agg(
-                F.sum("_n").alias("delivered"),
-                F.max("next_queue_offset").alias("next_queue_offset"),
+                F.expr("sum(_n) AS delivered"),
+                F.expr("max(next_queue_offset) AS next_queue_offset"),
             )
-            .where(F.col("delivered") > 0)
+            .where("delivered > 0")
         )
     else:
         counted = (
             commits.groupBy("topic", "queue_id")
-            .agg(F.count(F.lit(1)).alias("delivered"))
+            .agg(F.expr("count(1) AS delivered"))
             .join(base, ["topic", "queue_id"], "left")
         )
-    return counted.select(
+    return select(
+        counted,
         "topic",
         "queue_id",
         "delivered",
-        (F.coalesce(F.col("next_queue_offset"), F.lit(0)) + F.col("delivered") - 1).alias(
-            "last_queue_offset"
-        ),
+        "coalesce(next_queue_offset, 0) + delivered - 1 AS last_queue_offset",
     )
 
 
@@ -723,8 +735,8 @@ def known_messages(messages: DataFrame, discarded: DataFrame) -> DataFrame:
     of this run can name: the live `messages` and the new plain ones (both in
     `messages`) and the `discarded` ones its OPs name (an ADMIN OP may deliver
     a discarded message)."""
-    return messages.select(*STORED_MESSAGE_COLUMNS).unionByName(
-        discarded.select(*STORED_MESSAGE_COLUMNS)
+    return select(messages, *STORED_MESSAGE_COLUMNS).unionByName(
+        select(discarded, *STORED_MESSAGE_COLUMNS)
     )
 
 
@@ -738,10 +750,10 @@ def with_bodies(fates: DataFrame, messages: DataFrame, *, broadcast: bool = Fals
     the messages, the wide side, are joined where they lie instead of
     being shuffled.
     """
-    decided = fates.select(*[c for c in FATE_COLUMNS if c in fates.columns])
+    decided = select(fates, *[c for c in FATE_COLUMNS if c in fates.columns])
     if broadcast:
         decided = F.broadcast(decided)
-    return decided.join(messages.select(*STORED_MESSAGE_COLUMNS), "half_offset", "inner")
+    return decided.join(select(messages, *STORED_MESSAGE_COLUMNS), "half_offset", "inner")
 
 
 def deliveries(settled: DataFrame, rules: Rules) -> DataFrame:
@@ -767,7 +779,8 @@ def next_queues(queues: DataFrame, positions: DataFrame, rules: Rules) -> DataFr
 
 def resolved_rows(won: DataFrame, rules: Rules) -> DataFrame:
     return conform(
-        won.select(
+        select(
+            won,
             "half_offset",
             "transaction_id",
             "producer_group",
@@ -775,10 +788,10 @@ def resolved_rows(won: DataFrame, rules: Rules) -> DataFrame:
             "action",
             "source",
             "op_offset",
-            F.col("commit_version").alias("op_version"),
+            "commit_version AS op_version",
             "op_store_ms",
-            F.col("discarded").alias("after_discard"),
-            F.lit(rules.run_id).alias("run_id"),
+            "discarded AS after_discard",
+            f"{sql_string(rules.run_id)} AS run_id",
         ),
         RESOLVED,
     )
@@ -791,7 +804,7 @@ def remaining_pending(live: DataFrame, won: DataFrame, *, broadcast: bool = Fals
     """The live messages no OP of this run decided. `broadcast`: `won` is
     small enough to send whole to every task (the live messages are not
     shuffled)."""
-    keys = won.select("half_offset")
+    keys = select(won, "half_offset")
     return live.join(F.broadcast(keys) if broadcast else keys, "half_offset", "left_anti")
 
 
@@ -800,71 +813,78 @@ def apply_answers(pending: DataFrame, answers: DataFrame) -> DataFrame:
     `answered` budget: one per request_id, only for the message's own group
     and transaction."""
     undecided = (
-        answers.where(F.col("answer").isin(*CheckAnswer))
+        answers.where(f"answer IN {sql_strings(CheckAnswer)}")
         .groupBy("half_offset", "transaction_id", "producer_group")
-        .agg(F.countDistinct("request_id").alias("_answered"))
+        .agg(F.expr("count(DISTINCT request_id) AS _answered"))
     )
+    joined = pending.join(undecided, ["half_offset", "transaction_id", "producer_group"], "left")
+    return _replaced(
+        joined,
+        checks_undecided="CAST(checks_undecided + coalesce(_answered, 0) AS INT)",
+        _answered=None,
+    )
+
+
+def _replaced(df: DataFrame, **columns: str | None) -> DataFrame:
+    """`df.withColumn` for each of `columns` (its SQL text; None: dropped)
+    as one `select` of text: a column `df` has keeps its place, a new one
+    comes last."""
+    have = df.columns
+    kept = [
+        c if c not in columns else f"{columns[c]} AS {c}"
+        for c in have
+        if c not in columns or columns[c] is not None
+    ]
+    added = [f"{sql} AS {c}" for c, sql in columns.items() if c not in have and sql is not None]
+    return select(df, *kept, *added)
+
+
+def age_sql(rules: Rules) -> str:
+    """SQL: now − store_ms; a message stored "in the future" has age 0."""
+    return f"CAST(greatest({rules.now_ms} - store_ms, 0) AS BIGINT)"
+
+
+def immunity_sql(rules: Rules) -> str:
+    """SQL: how long a message is immune to checks, in ms: its own check
+    immunity, else the transaction timeout."""
     return (
-        pending.join(undecided, ["half_offset", "transaction_id", "producer_group"], "left")
-        .withColumn(
-            "checks_undecided",
-            (F.col("checks_undecided") + F.coalesce(F.col("_answered"), F.lit(0))).cast("int"),
-        )
-        .drop("_answered")
-    )
-
-
-def age_ms(rules: Rules) -> Column:
-    """now − store_ms; a message stored "in the future" has age 0."""
-    return F.greatest(F.lit(rules.now_ms) - F.col("store_ms"), F.lit(0)).cast("bigint")
-
-
-def immunity_ms(rules: Rules) -> Column:
-    own = F.col("check_immunity_s")
-    return F.when(own.isNotNull() & (own >= 0), own.cast("bigint") * 1000).otherwise(
-        F.lit(rules.transaction_timeout_ms).cast("bigint")
+        "CASE WHEN check_immunity_s IS NOT NULL AND check_immunity_s >= 0 "
+        "THEN CAST(check_immunity_s AS BIGINT) * 1000 "
+        f"ELSE CAST({rules.transaction_timeout_ms} AS BIGINT) END"
     )
 
 
 def decide(pending: DataFrame, rules: Rules) -> DataFrame:
     """Add `age_ms` and `decision` (EXPIRED, MAX_CHECKS, CHECK, WAIT) per message."""
-    counted = F.col("checks_sent" if rules.check_budget == "sent" else "checks_undecided")
-    interval_over = F.col("last_check_ms").isNull() | (
-        F.lit(rules.now_ms) - F.col("last_check_ms") >= F.lit(rules.check_interval_ms)
+    counted = "checks_sent" if rules.check_budget == "sent" else "checks_undecided"
+    interval_over = (
+        f"(last_check_ms IS NULL OR {rules.now_ms} - last_check_ms >= {rules.check_interval_ms})"
     )
-    due = (F.col("age_ms") > immunity_ms(rules)) & interval_over
-    decision = (
-        F.when(F.col("age_ms") > F.lit(rules.reserved_ms), F.lit(Decision.EXPIRED))
-        .when(due & (counted >= F.lit(rules.check_max)), F.lit(Decision.MAX_CHECKS))
-        .when(due, F.lit(Decision.CHECK))
-        .otherwise(F.lit(Decision.WAIT))
-    )
-    flagged = pending.withColumn("age_ms", age_ms(rules)).withColumn("decision", decision)
+    due = f"(age_ms > {immunity_sql(rules)} AND {interval_over})"
+    decision = f"""CASE WHEN age_ms > {rules.reserved_ms} THEN '{Decision.EXPIRED}'
+        WHEN {due} AND {counted} >= {rules.check_max} THEN '{Decision.MAX_CHECKS}'
+        WHEN {due} THEN '{Decision.CHECK}'
+        ELSE '{Decision.WAIT}' END"""
+    flagged = _replaced(_replaced(pending, age_ms=age_sql(rules)), decision=decision)
     if rules.max_checks_per_run <= 0:
         return flagged
-    chosen = (
-        flagged.where(F.col("decision") == Decision.CHECK)
-        .select("half_offset", "store_ms")
+    chosen = select(
+        select(flagged.where(f"decision = '{Decision.CHECK}'"), "half_offset", "store_ms")
         .orderBy("store_ms", "half_offset")
-        .limit(rules.max_checks_per_run)
-        .select("half_offset", F.lit(True).alias("_chosen"))
+        .limit(rules.max_checks_per_run),
+        "half_offset",
+        "true AS _chosen",
     )
-    return (
-        flagged.join(chosen, "half_offset", "left")
-        .withColumn(
-            "decision",
-            F.when(
-                (F.col("decision") == Decision.CHECK) & F.col("_chosen").isNull(),
-                F.lit(Decision.WAIT),
-            ).otherwise(F.col("decision")),
-        )
-        .drop("_chosen")
+    return _replaced(
+        flagged.join(chosen, "half_offset", "left"),
+        decision=f"CASE WHEN decision = '{Decision.CHECK}' AND _chosen IS NULL "
+        f"THEN '{Decision.WAIT}' ELSE decision END",
+        _chosen=None,
     )
 
 
-def due_at_ms(rules: Rules, last_check_ms: Column | None = None) -> Column:
-    """Per pending row: the first now_ms at which `decide` would not say WAIT
-    (`last_check_ms`: the row's, unless given).
+def due_at_ms(rules: Rules) -> Column:
+    """Per pending row: the first now_ms at which `decide` would not say WAIT.
 
     The inverse of `decide`'s time rules — EXPIRED once now − store_ms >
     reserved; due once now − store_ms > the immunity and the check interval
@@ -872,56 +892,55 @@ def due_at_ms(rules: Rules, last_check_ms: Column | None = None) -> Column:
     lets a later run with no new input and the same rules know, without
     reading the pending set, that nothing is due yet.
     """
-    expires = F.col("store_ms") + F.lit(rules.reserved_ms + 1)
-    last = F.col("last_check_ms") if last_check_ms is None else last_check_ms
-    interval_over = F.coalesce(last + F.lit(rules.check_interval_ms), F.col("store_ms"))
-    due = F.greatest(F.col("store_ms") + immunity_ms(rules) + F.lit(1), interval_over)
-    return F.least(expires, due).cast("bigint")
+    return F.expr(due_at_sql(rules))
+
+
+def due_at_sql(rules: Rules, last_check_ms: str = "last_check_ms") -> str:
+    """SQL of `due_at_ms`, the last check's time given as SQL (a column, or
+    `last_check_after_sql`)."""
+    expires = f"store_ms + {rules.reserved_ms + 1}"
+    interval_over = f"coalesce(({last_check_ms}) + {rules.check_interval_ms}, store_ms)"
+    due = f"greatest(store_ms + {immunity_sql(rules)} + 1, {interval_over})"
+    return f"CAST(least({expires}, {due}) AS BIGINT)"
 
 
 def discards(decided: DataFrame, rules: Rules) -> DataFrame:
-    rows = (
-        decided.where(F.col("decision").isin(Decision.EXPIRED, Decision.MAX_CHECKS))
-        .withColumn("check_times", F.col("checks_sent"))
-        .withColumn("reason", F.col("decision"))
-        .withColumn("discarded_ms", F.lit(rules.now_ms))
-        .withColumn("run_id", F.lit(rules.run_id))
+    rows = _replaced(
+        decided.where(f"decision IN {sql_strings([Decision.EXPIRED, Decision.MAX_CHECKS])}"),
+        check_times="checks_sent",
+        reason="decision",
+        discarded_ms=str(rules.now_ms),
+        run_id=sql_string(rules.run_id),
     )
     return conform(rows, DISCARD)
 
 
 def check_requests(decided: DataFrame, rules: Rules) -> DataFrame:
     """One request per message checked; request_id is stable across redos of the run."""
-    rows = (
-        decided.where(F.col("decision") == Decision.CHECK)
-        .withColumn(
-            "request_id", F.concat(F.lit(rules.run_id + "-"), F.col("half_offset").cast("string"))
-        )
-        .withColumn("run_id", F.lit(rules.run_id))
-        .withColumn("check_times", F.col("checks_sent") + 1)
-        .withColumn("requested_ms", F.lit(rules.now_ms))
+    rows = _replaced(
+        decided.where(f"decision = '{Decision.CHECK}'"),
+        request_id=f"concat({sql_string(rules.run_id + '-')}, CAST(half_offset AS STRING))",
+        run_id=sql_string(rules.run_id),
+        check_times="checks_sent + 1",
+        requested_ms=str(rules.now_ms),
     )
     return conform(rows, CHECK_REQUESTS)
 
 
-def last_check_after(rules: Rules) -> Column:
-    """A decided row's last_check_ms once this run is done: now if it is checked."""
-    return F.when(F.col("decision") == Decision.CHECK, F.lit(rules.now_ms)).otherwise(
-        F.col("last_check_ms")
-    )
+def last_check_after_sql(rules: Rules) -> str:
+    """SQL: a decided row's last_check_ms once this run is done: now if it is checked."""
+    return f"CASE WHEN decision = '{Decision.CHECK}' THEN {rules.now_ms} ELSE last_check_ms END"
 
 
 def still_pending(decided: DataFrame, rules: Rules) -> DataFrame:
     """The CHECK and WAIT rows of `decided` as the next run will see them
     (a check counted), with whatever columns `decided` has."""
-    checked = F.col("decision") == Decision.CHECK
-    return (
-        decided.where(F.col("decision").isin(Decision.CHECK, Decision.WAIT))
-        .withColumn(
-            "checks_sent", F.when(checked, F.col("checks_sent") + 1).otherwise(F.col("checks_sent"))
-        )
-        .withColumn("last_check_ms", last_check_after(rules))
-        .withColumn("run_number", F.lit(rules.run_number))
+    return _replaced(
+        decided.where(f"decision IN {sql_strings([Decision.CHECK, Decision.WAIT])}"),
+        checks_sent=f"CASE WHEN decision = '{Decision.CHECK}' THEN checks_sent + 1 "
+        "ELSE checks_sent END",
+        last_check_ms=last_check_after_sql(rules),
+        run_number=str(rules.run_number),
     )
 
 
