@@ -204,7 +204,9 @@ def read_state_in_range(
     if picked is None:
         return None
     files, rows = picked
-    return _read_files(spark, table, files).where(F.col("half_offset").between(low, high)), rows
+    return _read_files(spark, table, files).where(
+        f"half_offset BETWEEN {int(low)} AND {int(high)}"
+    ), rows
 
 
 def read_snapshot(spark: SparkSession, path: str, table: TableSchema, version: int) -> DataFrame:

@@ -149,12 +149,12 @@ def compute(
         )
         due_keys = T.scheduled_winners(due)
         if prior is not None:  # cancelled before: leave the set now, undelivered
-            dropped = cancels.prior_cancels_due(prior, rules).withColumn("_cancelled", F.lit(True))
+            dropped = T.select(cancels.prior_cancels_due(prior, rules), "*", "true AS _cancelled")
             due_keys = due_keys.join(F.broadcast(dropped), "half_offset", "left")
         due_keys = held.checkpoint(due_keys)
     n_due_rows, n_due, n_due_resolved = _due_counts(due_keys)
     if due_keys is not None and "_cancelled" in due_keys.columns:
-        due_keys = due_keys.where(F.col("_cancelled").isNull()).drop("_cancelled")
+        due_keys = due_keys.where("_cancelled IS NULL").drop("_cancelled")
     later["delivered_scheduled"] = n_due
     no_history = T.history_targets(inputs.empty(spark, RESOLVED), inputs.empty(spark, DISCARD))
     targets = T.op_targets(live, no_history)
@@ -208,7 +208,7 @@ def compute(
         won = won.unionByName(due_keys, allowMissingColumns=True)
         if n_due > n_due_resolved:  # a plain message is resolved by the run delivering it
             decided_now = decided_now.unionByName(
-                due_keys.where(~F.col("resolved_before")).drop("resolved_before"),
+                due_keys.where("NOT resolved_before").drop("resolved_before"),
                 allowMissingColumns=True,
             )
     # before any write: Spark gives a job's tasks the cores in the order
@@ -251,7 +251,7 @@ def compute(
     # the due messages are delivered, never pending: only the deliveries read them
     delivered_from = known
     if n_due:
-        delivered_from = known.unionByName(due.select(*STORED_MESSAGE_COLUMNS))
+        delivered_from = known.unionByName(T.select(due, *STORED_MESSAGE_COLUMNS))
     merge = plain is not None or n_due > 0 or delayed_now
     if writing and delivered_by_topic:  # the biggest write: started before the others are planned
         delivered = T.with_bodies(
@@ -311,11 +311,11 @@ def _due_counts(due_keys) -> tuple[int, int, int]:
     one Spark job; zeros without any."""
     if due_keys is None:
         return 0, 0, 0
-    kept = F.col("_cancelled").isNull() if "_cancelled" in due_keys.columns else F.lit(True)
-    row = due_keys.agg(
-        F.count(F.lit(1)),
-        F.coalesce(F.sum(kept.cast("int")), F.lit(0)),
-        F.coalesce(F.sum((kept & F.col("resolved_before")).cast("int")), F.lit(0)),
+    kept = "_cancelled IS NULL" if "_cancelled" in due_keys.columns else "true"
+    row = due_keys.selectExpr(
+        "count(1)",
+        f"coalesce(sum(CAST({kept} AS INT)), 0)",
+        f"coalesce(sum(CAST({kept} AND resolved_before AS INT)), 0)",
     ).first()
     return int(row[0]), int(row[1]), int(row[2])
 
@@ -348,7 +348,7 @@ def _scheduling(plain, rules: T.Rules) -> dict:
     if plain is None:
         return {"scheduled": 0, "_new_earliest": None}
     _, later = T.split_plain(plain, rules)
-    row = later.agg(F.count(F.lit(1)), F.min("deliver_at_ms")).first()
+    row = later.selectExpr("count(1)", "min(deliver_at_ms)").first()
     return {"scheduled": int(row[0]), "_new_earliest": row[1]}
 
 
@@ -441,7 +441,7 @@ def _history_near(spark, wh: str, record: run_log.RunRecord, targets):
     if n_resolved + n_discarded == 0:
         return targets, inputs.empty(spark, DISCARD), False
     # as in `_with_history`: the history is that of the messages no live one stands for
-    live = F.broadcast(targets.select("half_offset"))
+    live = F.broadcast(T.select(targets, "half_offset"))
     resolved = resolved.join(live, "half_offset", "left_anti")
     discarded = discarded.join(live, "half_offset", "left_anti")
     return targets.unionByName(T.history_targets(resolved, discarded)), discarded, n_discarded > 0

@@ -275,11 +275,12 @@ def plain_targets(plain: DataFrame) -> DataFrame:
     """Plain messages (`plain_keys`) as OP targets: already committed, so an
     OP naming one is a duplicate (COMMIT) or a conflict (ROLLBACK) and
     changes nothing (docs/protocol.md §4, rule 3)."""
-    return plain.select(
+    return select(
+        plain,
         *_IDENTITY,
-        F.lit(Action.COMMIT.value).alias("prior_action"),
-        F.lit(False).alias("discarded"),
-        F.expr(_DUE).alias("due_ms"),  # what a cancel of it needs
+        f"'{Action.COMMIT}' AS prior_action",
+        "false AS discarded",
+        f"{_DUE} AS due_ms",  # what a cancel of it needs
     )
 
 
@@ -288,20 +289,18 @@ def plain_winners(plain: DataFrame) -> DataFrame:
     `source` is NORMAL, its own half row standing for the OP (`op_offset`
     the half_offset, `commit_version` the half table's version,
     `op_store_ms` its store time)."""
-    return plain.select(
+    return select(
+        plain,
         *_IDENTITY,
-        F.lit(Action.COMMIT.value).alias("action"),
-        F.lit(MessageType.NORMAL.value).alias("source"),
-        F.col("half_offset").alias("op_offset"),
+        f"'{Action.COMMIT}' AS action",
+        f"'{MessageType.NORMAL}' AS source",
+        "half_offset AS op_offset",
         "commit_version",
-        F.col("store_ms").alias("op_store_ms"),
-        F.lit(False).alias("discarded"),
+        "store_ms AS op_store_ms",
+        "false AS discarded",
         # a delayed message already due: placed by its due time
-        F.when(F.col("deliver_at_ms") > F.col("store_ms"), F.col("deliver_at_ms"))
-        .otherwise(F.lit(None))
-        .cast("bigint")
-        .alias("due_ms"),
-        F.expr(_DUE).alias("target_due_ms"),
+        f"CAST({_DUE} AS BIGINT) AS due_ms",
+        f"{_DUE} AS target_due_ms",
     )
 
 
@@ -309,11 +308,12 @@ def scheduled_rows(plain_half: DataFrame, rules: Rules) -> DataFrame:
     """SCHEDULED rows of the plain half rows (whole, with `commit_version`)
     this run schedules (`split_plain`)."""
     _, later = split_plain(plain_half, rules)
-    rows = (
-        later.withColumn("due_ms", F.col("deliver_at_ms"))
-        .withColumn("commit_ms", F.col("store_ms"))
-        .withColumn("run_number", F.lit(rules.run_number))
-        .withColumn("source", F.lit(None).cast("string"))
+    rows = _replaced(
+        later,
+        due_ms="deliver_at_ms",
+        commit_ms="store_ms",
+        run_number=str(rules.run_number),
+        source="CAST(NULL AS STRING)",
     )
     return conform(rows, SCHEDULED)
 
@@ -329,11 +329,12 @@ def scheduled_commits(later: DataFrame, messages: DataFrame, rules: Rules) -> Da
     """SCHEDULED rows of the winning COMMITs `split_won` holds back: the
     whole stored message (from `messages`, `known_messages`), its due time,
     its commit (the OP's store time and version) and the OP's source."""
-    keys = later.select(
-        "half_offset", "due_ms", F.col("op_store_ms").alias("commit_ms"), "commit_version", "source"
+    keys = select(
+        later, "half_offset", "due_ms", "op_store_ms AS commit_ms", "commit_version", "source"
     )
-    rows = keys.join(messages.select(*STORED_MESSAGE_COLUMNS), "half_offset").withColumn(
-        "run_number", F.lit(rules.run_number)
+    rows = _replaced(
+        keys.join(select(messages, *STORED_MESSAGE_COLUMNS), "half_offset"),
+        run_number=str(rules.run_number),
     )
     return conform(rows, SCHEDULED)
 
@@ -343,26 +344,24 @@ def due_scheduled(scheduled: DataFrame, rules: Rules) -> DataFrame:
     pinned it) due in (prev_watermark_ms, watermark_ms]: this run's to
     deliver. A filter on due_ms alone: Delta skips every file whose
     statistics put it outside."""
-    return scheduled.where(
-        (F.col("due_ms") > F.lit(rules.prev_watermark_ms))
-        & (F.col("due_ms") <= F.lit(rules.watermark_ms))
-    )
+    return scheduled.where(f"due_ms > {rules.prev_watermark_ms} AND due_ms <= {rules.watermark_ms}")
 
 
 def scheduled_winners(due: DataFrame) -> DataFrame:
     """Due scheduled messages (`due_scheduled`) as `plain_winners` rows:
     committed at `commit_ms`, placed by `due_ms`; `resolved_before` for a
     transactional one, whose `_sys/resolved` row its COMMIT's run wrote."""
-    return due.select(
+    return select(
+        due,
         *_IDENTITY,
-        F.lit(Action.COMMIT.value).alias("action"),
-        F.lit(MessageType.NORMAL.value).alias("source"),
-        F.col("half_offset").alias("op_offset"),
+        f"'{Action.COMMIT}' AS action",
+        f"'{MessageType.NORMAL}' AS source",
+        "half_offset AS op_offset",
         "commit_version",
-        F.col("commit_ms").alias("op_store_ms"),
-        F.lit(False).alias("discarded"),
+        "commit_ms AS op_store_ms",
+        "false AS discarded",
         "due_ms",
-        F.col("source").isNotNull().alias("resolved_before"),
+        "source IS NOT NULL AS resolved_before",
     )
 
 
@@ -560,16 +559,17 @@ def op_rejections(classified: DataFrame, rules: Rules) -> DataFrame:
     """REJECTED rows for OPs never applied (invalid or late), for audit."""
     # cancels are judged and recorded apart (`jobs.cancels`)
     bad = classified.where(
-        F.col("outcome").isin(OpOutcome.INVALID, OpOutcome.LATE) & (F.col("action") != CANCEL)
+        f"outcome IN {sql_strings([OpOutcome.INVALID, OpOutcome.LATE])} AND action != '{CANCEL}'"
     )
     return conform(
-        bad.select(
-            F.lit("_sys/op").alias("source_table"),
-            F.col("op_offset").alias("row_offset"),
+        select(
+            bad,
+            f"{sql_string(OP.path)} AS source_table",
+            "op_offset AS row_offset",
             "transaction_id",
             "producer_group",
-            F.concat(F.col("outcome"), F.lit(": "), F.col("reason")).alias("reason"),
-            F.lit(rules.run_id).alias("run_id"),
+            "concat(outcome, ': ', reason) AS reason",
+            f"{sql_string(rules.run_id)} AS run_id",
         ),
         REJECTED,
     )
@@ -759,21 +759,21 @@ def with_bodies(fates: DataFrame, messages: DataFrame, *, broadcast: bool = Fals
 def deliveries(settled: DataFrame, rules: Rules) -> DataFrame:
     """TOPIC rows (plus `topic`) of `settled` (queue positions joined
     `with_bodies`)."""
-    rows = settled.withColumn("delivered_ms", F.lit(rules.now_ms)).withColumn(
-        "run_id", F.lit(rules.run_id)
-    )
+    rows = _replaced(settled, delivered_ms=str(rules.now_ms), run_id=sql_string(rules.run_id))
     return conform(rows, TOPIC, "topic")
 
 
 def next_queues(queues: DataFrame, positions: DataFrame, rules: Rules) -> DataFrame:
     """The QUEUES table after this run's deliveries (`queue_positions`, or
     just each queue's last one: only the maximum queue_offset counts)."""
-    moved = (
-        positions.groupBy("topic", "queue_id")
-        .agg((F.max("queue_offset") + 1).alias("next_queue_offset"))
-        .withColumn("run_number", F.lit(rules.run_number))
+    moved = select(
+        positions.groupBy("topic", "queue_id").agg(
+            F.expr("max(queue_offset) + 1 AS next_queue_offset")
+        ),
+        "*",
+        f"{rules.run_number} AS run_number",
     )
-    kept = queues.join(moved.select("topic", "queue_id"), ["topic", "queue_id"], "left_anti")
+    kept = queues.join(select(moved, "topic", "queue_id"), ["topic", "queue_id"], "left_anti")
     return conform(kept, QUEUES).unionByName(conform(moved, QUEUES))
 
 
