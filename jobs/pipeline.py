@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
 
@@ -69,13 +71,15 @@ _QUEUE_ENDS = StructType(
 @dataclass
 class Outputs:
     """The run's output tables but the topics, `_sys/queues` and
-    `_sys/resolved` (whose writes `compute` starts) as DataFrames, and its
-    counters."""
+    `_sys/resolved` (whose writes `compute` starts), each as a function
+    building its DataFrame, and its counters. Built only for the tables a
+    run writes: most runs check, discard and reject nothing, and planning
+    a frame costs a small run's driver some 15 ms."""
 
-    requests: object
-    discards: object
-    rejected: object
-    pending: object
+    requests: Callable[[], DataFrame]
+    discards: Callable[[], DataFrame]
+    rejected: Callable[[], DataFrame]
+    pending: Callable[[], DataFrame]
     counts: dict = field(default_factory=dict)
     delivered_by_topic: dict = field(default_factory=dict)
     #: the bytes of the bodies of the messages not delivered, when counted
@@ -156,8 +160,7 @@ def compute(
     if due_keys is not None and "_cancelled" in due_keys.columns:
         due_keys = due_keys.where("_cancelled IS NULL").drop("_cancelled")
     later["delivered_scheduled"] = n_due
-    no_history = T.history_targets(inputs.empty(spark, RESOLVED), inputs.empty(spark, DISCARD))
-    targets = T.op_targets(live, no_history)
+    targets = T.op_targets(live)
     if plain is not None:  # an OP naming a plain message of this run: a duplicate or a conflict
         targets = targets.unionByName(T.plain_targets(plain))
     near = _history_near(spark, wh, record, targets)
@@ -295,10 +298,10 @@ def compute(
         return undelivered.where(f"decision IN {T.sql_strings(decisions)}")
 
     return Outputs(
-        requests=T.check_requests(with_decision(Decision.CHECK), rules),
-        discards=T.discards(with_decision(Decision.EXPIRED, Decision.MAX_CHECKS), rules),
-        rejected=_rejected(spark, rejected_halves, classified, judged, rules),
-        pending=T.next_pending(with_decision(Decision.CHECK, Decision.WAIT), rules),
+        requests=lambda: T.check_requests(with_decision(Decision.CHECK), rules),
+        discards=lambda: T.discards(with_decision(Decision.EXPIRED, Decision.MAX_CHECKS), rules),
+        rejected=lambda: _rejected(spark, rejected_halves, classified, judged, rules),
+        pending=lambda: T.next_pending(with_decision(Decision.CHECK, Decision.WAIT), rules),
         counts=c,
         delivered_by_topic=delivered_by_topic,
         undelivered_body_bytes=body_bytes,
@@ -515,13 +518,13 @@ def _output_writes(wh: str, out: Outputs) -> list[tuple]:
         PENDING: (out.pending, "overwrite", c["pending_after"]),
     }
     writes = [
-        (df, table_path(wh, table), table.path, mode, rows)
-        for table, (df, mode, rows) in frames.items()
+        (frame(), table_path(wh, table), table.path, mode, rows)
+        for table, (frame, mode, rows) in frames.items()
         if table.path in _tables_of_undelivered(c)
     ]
     rejected = c["rejected_halves"] + c["invalid_ops"] + c["late_ops"]
     if rejected:
-        writes.append((out.rejected, table_path(wh, REJECTED), REJECTED.path, "append", rejected))
+        writes.append((out.rejected(), table_path(wh, REJECTED), REJECTED.path, "append", rejected))
     return writes
 
 

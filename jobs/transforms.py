@@ -410,9 +410,11 @@ def history_targets(resolved: DataFrame, discarded: DataFrame) -> DataFrame:
     )
 
 
-def op_targets(live: DataFrame, history: DataFrame) -> DataFrame:
-    """Every message an OP of this run may refer to, with its identity and queue."""
-    return _targets(live, discarded=False).unionByName(history)
+def op_targets(live: DataFrame, history: DataFrame | None = None) -> DataFrame:
+    """Every message an OP of this run may refer to, with its identity and
+    queue: the `live` messages, and those `history` (`history_targets`) knows."""
+    targets = _targets(live, discarded=False)
+    return targets if history is None else targets.unionByName(history)
 
 
 #: what identifies a message and its queue, in every table that names one
