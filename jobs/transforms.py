@@ -140,8 +140,8 @@ def select(df: DataFrame, *exprs: str) -> DataFrame:
     """`df.select(...)` of SQL text: column names and expressions (`"a + 1
     AS b"`). A name handed to `DataFrame.select` costs three calls into the
     JVM (PySpark builds a Column for it), and each `F` function as many;
-    text costs one per item, which a small run's driver feels (docs/performance.md,
-    "What a small run is made of").
+    text costs one per item, which a small run's driver feels
+    (docs/performance.md, "Fewer calls into the JVM per run").
 
     >>> select(df, "half_offset", "store_ms AS commit_ms")  # doctest: +SKIP
     """

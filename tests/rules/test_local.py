@@ -35,3 +35,11 @@ def test_no_rows_is_an_empty_relation_the_optimizer_drops(spark):
     assert empty.schema == SCHEMA and empty.count() == 0
     one = local_frame(spark, [("ORDER", 1, None, 5)], SCHEMA)
     assert _plan(one.unionByName(empty)) == _plan(one)
+
+
+def test_an_empty_frame_is_made_once_per_session_and_schema(spark):
+    # a run takes several empty frames, each some forty calls into the JVM to make
+    assert local_frame(spark, [], SCHEMA) is local_frame(spark, [], SCHEMA)
+    other = StructType([StructField("topic", StringType(), False)])
+    assert local_frame(spark, [], other) is not local_frame(spark, [], SCHEMA)
+    assert local_frame(spark, [], other).schema == other

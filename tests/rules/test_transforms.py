@@ -741,3 +741,27 @@ def test_due_at_is_the_first_clock_at_which_decide_stops_waiting(spark):
         assert decisions(spark, rules(reserved_ms=100_000, now_ms=at), *row) != {
             offset: Decision.WAIT
         }
+
+
+def test_values_written_into_the_rules_sql_come_back_as_they_were(spark):
+    # a run id or a file name goes into SQL text (`T.select`); a quote or a
+    # backslash in it must neither break the query nor change the value
+    odd = "run-'7' \\ \"x\""
+    row = T.select(
+        spark.range(1),
+        "id",
+        f"{T.sql_string(odd)} AS odd",
+        f"'b' IN {T.sql_strings(['a', odd, 'b'])} AS found",
+    ).first()
+    assert (row.id, row.odd, row.found) == (0, odd, True)
+
+
+def test_a_run_id_with_a_quote_reaches_its_discards_and_check_requests(spark):
+    r = rules(run_id="run-'7'", reserved_ms=3_600_000)
+    decided = T.decide(
+        pending_df(spark, fx.half(1, store_ms=NOW - 3_600_001), fx.half(2, store_ms=NOW - 10_000)),
+        r,
+    )
+    assert T.discards(decided, r).first()["run_id"] == "run-'7'"
+    request = T.check_requests(decided, r).first()
+    assert (request["run_id"], request["request_id"]) == ("run-'7'", "run-'7'-2")
