@@ -35,11 +35,11 @@ def local_frame(spark: SparkSession, rows: Sequence[tuple], schema: StructType) 
     """`rows` (tuples in `schema`'s column order; none for an empty frame)
     as a DataFrame of exactly `schema`, types and nullability included."""
     arrow = to_arrow_schema(schema)
-    if not rows:
-        empties = _EMPTY.setdefault(spark, {})
-        key = schema.json()
-        if key not in empties:
-            empties[key] = spark.createDataFrame(arrow.empty_table(), schema)
-        return empties[key]
-    columns = [pa.array(list(values), type=f.type) for values, f in zip(zip(*rows), arrow)]
-    return spark.createDataFrame(pa.Table.from_arrays(columns, schema=arrow), schema)
+    if rows:
+        columns = [pa.array(list(values), type=f.type) for values, f in zip(zip(*rows), arrow)]
+        return spark.createDataFrame(pa.Table.from_arrays(columns, schema=arrow), schema)
+    empties = _EMPTY.setdefault(spark, {})
+    key = schema.json()
+    if key not in empties:
+        empties[key] = spark.createDataFrame(arrow.empty_table(), schema)
+    return empties[key]

@@ -73,8 +73,8 @@ class Outputs:
     """The run's output tables but the topics, `_sys/queues` and
     `_sys/resolved` (whose writes `compute` starts), each as a function
     building its DataFrame, and its counters. Built only for the tables a
-    run writes: most runs check, discard and reject nothing, and planning
-    a frame costs a small run's driver some 15 ms."""
+    run writes: most runs check, discard and reject nothing, and each frame
+    planned is time on a small run's driver."""
 
     requests: Callable[[], DataFrame]
     discards: Callable[[], DataFrame]
