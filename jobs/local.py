@@ -26,7 +26,7 @@ from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import StructType
 
 #: each session's empty frames by schema: a run takes several, and each
-#: `createDataFrame` is some forty calls into the JVM; a DataFrame never
+#: `createDataFrame` is dozens of calls into the JVM; a DataFrame never
 #: changes, so one serves every run of the session
 _EMPTY: weakref.WeakKeyDictionary[SparkSession, dict[str, DataFrame]] = weakref.WeakKeyDictionary()
 
