@@ -69,6 +69,20 @@ _DEFAULTS = {
     "spark.databricks.delta.retentionDurationCheck.enabled": "true",
 }
 
+#: settings of a session whose driver runs the tasks (`local[...]`), where
+#: the job knows the memory: not pushed onto a cluster's executors
+LOCAL_DEFAULTS = {
+    # Spark builds a broadcast join's table on the driver in pages of this
+    # size, by default 1/16 of a core's share of execution memory (32-64 MB
+    # in a 2-4 GB driver) however few its rows, and each table stays on the
+    # heap until the driver's garbage collector finds it unused: a run
+    # broadcasts several, and a long-lived session filled its heap with
+    # nearly empty pages (docs/operating.md). 1 MB is Spark's own smallest
+    # default; 8,192 pages a task (Spark's limit) are 8 GB, more than a
+    # local session has.
+    "spark.buffer.pageSize": "1m"
+}
+
 
 #: a class-data archive of the classes a run loads, made by `make setup`
 #: (scripts/build_class_archive.py). Mapping them, instead of loading and
@@ -129,9 +143,11 @@ def build_spark(
         builder = builder.config("spark.driver.extraJavaOptions", driver_java_options(short_lived))
     else:
         _require_delta_jar()
-    for key, value in {**_DEFAULTS, **(conf or {})}.items():
+    local = not submitted and _is_local(master)
+    defaults = {**_DEFAULTS, **LOCAL_DEFAULTS} if local else _DEFAULTS
+    for key, value in {**defaults, **(conf or {})}.items():
         builder = builder.config(key, value)
-    spark = _started(builder, local=not submitted and _is_local(master))
+    spark = _started(builder, local=local)
     spark.sparkContext.setLogLevel(os.environ.get("TXN_SPARK_LOG_LEVEL", "WARN"))
     return spark
 

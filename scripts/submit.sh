@@ -36,9 +36,14 @@ driver_opts="$(cd "$repo" && "$python" -c 'import sys; from jobs.reconcile impor
 export PYSPARK_PYTHON="${PYSPARK_PYTHON:-$(command -v "$python")}"
 # SPARK_TESTING makes Ivy look in ./dummy/.m2 instead of ~/.m2.
 unset SPARK_TESTING
-# A local driver binds to loopback (Spark would otherwise look for, and warn about, this host's address).
+# A local driver binds to loopback (Spark would otherwise look for, and warn about, this host's address),
+# and gets the settings of a local session (jobs/session.py's LOCAL_DEFAULTS).
+local_conf=()
 if [[ "${TXN_SPARK_MASTER:-local[2]}" == local* ]]; then
   export SPARK_LOCAL_IP="${SPARK_LOCAL_IP:-127.0.0.1}"
+  while IFS= read -r setting; do local_conf+=(--conf "$setting"); done < <(
+    cd "$repo" && "$python" -c 'from jobs.session import LOCAL_DEFAULTS as d; print("\n".join(f"{k}={v}" for k, v in d.items()))'
+  )
 fi
 
 # shellcheck disable=SC2086  # TXN_SUBMIT_ARGS is meant to split into options
@@ -48,6 +53,7 @@ exec "$spark_bin/spark-submit" \
   --driver-java-options "$driver_opts" \
   --conf spark.sql.extensions=io.delta.sql.DeltaSparkSessionExtension \
   --conf spark.sql.catalog.spark_catalog=org.apache.spark.sql.delta.catalog.DeltaCatalog \
+  "${local_conf[@]}" \
   --py-files "$pyfiles" \
   ${TXN_SUBMIT_ARGS:-} \
   "$repo/jobs/reconcile.py" "$@"

@@ -177,3 +177,24 @@ def test_submit_passes_the_resolved_jars_with_s3a_only_for_a_warehouse_on_s3(mon
     assert session.submit_jars(["status", "--warehouse", "/tmp/wh"]) == delta
     monkeypatch.setattr(session, "resolved_jars", lambda: None)
     assert session.submit_jars(["run", "--warehouse", "/tmp/wh"]) == ""
+
+
+def test_a_local_session_builds_a_broadcast_table_in_pages_of_1_mb(spark):
+    """A broadcast join's table stays on the driver's heap until the garbage
+    collector finds it unused, at least one page of `spark.buffer.pageSize`:
+    Spark's default in the tests' 4 GB driver is 64 MB for a table of 1,000
+    rows. A local session's pages are 1 MB (`jobs.session.LOCAL_DEFAULTS`),
+    and spark-submit on a local master is given the same."""
+    from pyspark.sql import functions as F
+
+    assert spark.conf.get("spark.buffer.pageSize") == "1m"
+    used = spark.sparkContext._jsc.sc().env().memoryManager().storageMemoryUsed
+    keys = spark.range(1000).selectExpr("CAST(id AS STRING) AS k")
+    before = used()
+    assert (
+        spark.range(5000).selectExpr("CAST(id AS STRING) AS k").join(F.broadcast(keys), "k").count()
+        == 1000
+    )
+    assert used() - before < 4 * 2**20
+    script = (REPO / "scripts" / "submit.sh").read_text()
+    assert '"${local_conf[@]}"' in script and "LOCAL_DEFAULTS" in script
