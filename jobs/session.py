@@ -119,7 +119,8 @@ def build_spark(
     given there win; otherwise a local session `local[2]` is started, with
     the Delta jar resolved through Ivy from `~/.m2`. A local JVM gets
     `driver_java_options(short_lived)`; a JVM already running (spark-submit)
-    keeps its own (`--driver-java-options` sets the same there).
+    keeps its own (`--driver-java-options` sets the same there). A local
+    master also gets `LOCAL_DEFAULTS`; `conf` wins over every default.
 
     >>> spark = build_spark(master="local[1]")          # doctest: +SKIP
     >>> spark.range(1).count()                           # doctest: +SKIP
