@@ -255,6 +255,16 @@ def submit_jars(argv: list[str]) -> str:
     return ",".join(jars) if any(j.endswith(s3a) for j in jars) else ""
 
 
+def submit_conf(master: str) -> list[str]:
+    """The `--conf` settings (`key=value`) of a spark-submit of the job on
+    `master`: `LOCAL_DEFAULTS` for a local master, none for a cluster's.
+
+    >>> submit_conf("local[2]")
+    ['spark.buffer.pageSize=1m']
+    """
+    return [f"{k}={v}" for k, v in LOCAL_DEFAULTS.items()] if master.startswith("local") else []
+
+
 def submit_packages(argv: list[str]) -> str:
     """The `--packages` of a spark-submit of the job with arguments `argv`:
     the Delta jar, and s3a's when the configured warehouse is on S3 (its

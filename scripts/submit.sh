@@ -36,24 +36,25 @@ driver_opts="$(cd "$repo" && "$python" -c 'import sys; from jobs.reconcile impor
 export PYSPARK_PYTHON="${PYSPARK_PYTHON:-$(command -v "$python")}"
 # SPARK_TESTING makes Ivy look in ./dummy/.m2 instead of ~/.m2.
 unset SPARK_TESTING
-# A local driver binds to loopback (Spark would otherwise look for, and warn about, this host's address),
-# and gets the settings of a local session (jobs/session.py's LOCAL_DEFAULTS).
-local_conf=()
-if [[ "${TXN_SPARK_MASTER:-local[2]}" == local* ]]; then
+# A local driver binds to loopback (Spark would otherwise look for, and warn about, this host's address).
+master="${TXN_SPARK_MASTER:-local[2]}"
+if [[ "$master" == local* ]]; then
   export SPARK_LOCAL_IP="${SPARK_LOCAL_IP:-127.0.0.1}"
-  while IFS= read -r setting; do local_conf+=(--conf "$setting"); done < <(
-    cd "$repo" && "$python" -c 'from jobs.session import LOCAL_DEFAULTS as d; print("\n".join(f"{k}={v}" for k, v in d.items()))'
-  )
 fi
+# The settings a session gets on this master (jobs/session.py: LOCAL_DEFAULTS on a local one).
+settings=()
+while IFS= read -r setting; do
+  settings+=(--conf "$setting")
+done < <(cd "$repo" && "$python" -c 'import sys; from jobs.session import submit_conf; print(*submit_conf(sys.argv[1]), sep="\n")' "$master" | grep .)
 
 # shellcheck disable=SC2086  # TXN_SUBMIT_ARGS is meant to split into options
 exec "$spark_bin/spark-submit" \
-  --master "${TXN_SPARK_MASTER:-local[2]}" \
+  --master "$master" \
   "${dependencies[@]}" \
   --driver-java-options "$driver_opts" \
   --conf spark.sql.extensions=io.delta.sql.DeltaSparkSessionExtension \
   --conf spark.sql.catalog.spark_catalog=org.apache.spark.sql.delta.catalog.DeltaCatalog \
-  "${local_conf[@]}" \
+  "${settings[@]}" \
   --py-files "$pyfiles" \
   ${TXN_SUBMIT_ARGS:-} \
   "$repo/jobs/reconcile.py" "$@"

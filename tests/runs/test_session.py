@@ -196,5 +196,5 @@ def test_a_local_session_builds_a_broadcast_table_in_pages_of_1_mb(spark):
         == 1000
     )
     assert used() - before < 4 * 2**20
-    script = (REPO / "scripts" / "submit.sh").read_text()
-    assert '"${local_conf[@]}"' in script and "LOCAL_DEFAULTS" in script
+    assert session.submit_conf("local[2]") == ["spark.buffer.pageSize=1m"]
+    assert session.submit_conf("spark://host:7077") == []
