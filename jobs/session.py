@@ -262,7 +262,7 @@ def submit_conf(master: str) -> list[str]:
     >>> submit_conf("local[2]")
     ['spark.buffer.pageSize=1m']
     """
-    return [f"{k}={v}" for k, v in LOCAL_DEFAULTS.items()] if master.startswith("local") else []
+    return [f"{k}={v}" for k, v in LOCAL_DEFAULTS.items()] if _is_local(master) else []
 
 
 def submit_packages(argv: list[str]) -> str:
