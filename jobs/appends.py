@@ -437,11 +437,11 @@ VERSION_MAP_MAX_FILES = 256
 
 
 def _commit_version(files: list[tuple[int, str, int]]) -> str:
-    """SQL: the version that added each row's file, a literal when every
-    file came in one commit, else a lookup of its name."""
+    """SQL: the version that added each row's file: that version when every
+    file came in one commit (`T.sql_run_value`), else a lookup of its name."""
     versions = {v for v, _, _ in files}
     if len(versions) == 1:
-        return f"CAST({versions.pop()} AS BIGINT)"  # a small literal would be an int
+        return T.sql_run_value(versions.pop())
     by_name = ", ".join(f"{T.sql_string(os.path.basename(f))}, {v}" for v, f, _ in files)
     return f"CAST(element_at(map({by_name}), _metadata.file_name) AS BIGINT)"
 

@@ -84,7 +84,7 @@ class Counters:
         (`_commits_later`: scheduled, not delivered), and the earliest such
         due time."""
         won_delayed = f"outcome = '{OpOutcome.WIN}' AND action = '{Action.COMMIT}' AND {_DELAYED}"
-        later = f"{won_delayed} AND due_ms > {rules.watermark_ms}"
+        later = f"{won_delayed} AND due_ms > {rules.watermark_sql}"
         return self._observe(
             "ops",
             classified,

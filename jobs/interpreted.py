@@ -1,12 +1,12 @@
 """Small runs evaluate their expressions interpreted, not compiled.
 
-A run's own values (its clock, its number, its watermark) are literals in
-its plans, and Spark writes literals into the Java code it generates for a
-plan: each run's code differs from the last run's, so its code cache never
-hits and every run compiles some fifteen classes anew (Janino, then the
-JVM's JIT compilers). Over a few thousand rows that costs more than
-evaluating them interpreted; over a hundred thousand, compiled code wins
-(docs/performance.md, "Minutes into a continuous job").
+Over a few thousand rows compiled code does not pay: each new shape of a
+run's plans costs dozens of classes (Janino, then the JVM's JIT
+compilers), and once Spark's code cache hits (`T.sql_run_value` keeps a
+run's own values out of the code) a small run is no faster compiled than
+interpreted. Over a hundred thousand, compiled code wins
+(docs/performance.md, "Minutes into a continuous job" and "What is left
+between a big run and its lower bound").
 """
 
 from __future__ import annotations

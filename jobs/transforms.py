@@ -121,6 +121,19 @@ class Rules:
             check_budget=config.check_budget,
         )
 
+    @property
+    def now_sql(self) -> str:
+        """SQL: the run's clock (`sql_run_value`)."""
+        return sql_run_value(self.now_ms)
+
+    @property
+    def run_number_sql(self) -> str:
+        return sql_run_value(self.run_number)
+
+    @property
+    def watermark_sql(self) -> str:
+        return sql_run_value(self.watermark_ms)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
@@ -180,6 +193,25 @@ def sql_strings(values) -> str:
 def sql_string(value: str) -> str:
     """`value` as a SQL string literal, whatever it holds (a run id, a path)."""
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def sql_run_value(value: int) -> str:
+    """SQL: the BIGINT `value`, one of a run's own (its clock, number,
+    watermark, an input's version), in a form Spark does not write into the
+    code it generates.
+
+    Spark writes a BIGINT literal into the Java code of every plan that uses
+    it, so each run's code would differ from the last run's: its code cache
+    would miss, and every big run of a long-lived session compile some twenty
+    classes anew (Janino, then the JIT, while their loops run slowly). This
+    expression is not folded to a literal (its lambda is not foldable), Spark
+    keeps it as an object the code refers to, and it costs ~25 ns a row.
+    Not for a filter a scan should push down to its files: those need literals.
+
+    >>> spark.sql(f"SELECT {sql_run_value(7)} AS v").first().v  # doctest: +SKIP
+    7
+    """
+    return f"aggregate(array(), CAST({int(value)} AS BIGINT), (v, _) -> v)"
 
 
 # --- 1. new half rows ----------------------------------------------------------
@@ -255,7 +287,7 @@ def _later(rules: Rules) -> str:
     """SQL: a plain message is delayed past the run's watermark (to be
     scheduled, not delivered). A `deliver_at_ms` at or before its store time
     is no delay: the message is delivered as a plain one."""
-    return f"coalesce(deliver_at_ms > store_ms AND deliver_at_ms > {rules.watermark_ms}, false)"
+    return f"coalesce(deliver_at_ms > store_ms AND deliver_at_ms > {rules.watermark_sql}, false)"
 
 
 def split_plain(plain: DataFrame, rules: Rules) -> tuple[DataFrame, DataFrame]:
@@ -312,7 +344,7 @@ def scheduled_rows(plain_half: DataFrame, rules: Rules) -> DataFrame:
         later,
         due_ms="deliver_at_ms",
         commit_ms="store_ms",
-        run_number=str(rules.run_number),
+        run_number=rules.run_number_sql,
         source="CAST(NULL AS STRING)",
     )
     return conform(rows, SCHEDULED)
@@ -321,7 +353,7 @@ def scheduled_rows(plain_half: DataFrame, rules: Rules) -> DataFrame:
 def split_won(won: DataFrame, rules: Rules) -> tuple[DataFrame, DataFrame]:
     """(the winning OPs (`winners`) this run applies now, the COMMITs of
     delayed messages due after its watermark: scheduled, delivered later)."""
-    later = f"action = '{Action.COMMIT}' AND coalesce(due_ms > {rules.watermark_ms}, false)"
+    later = f"action = '{Action.COMMIT}' AND coalesce(due_ms > {rules.watermark_sql}, false)"
     return won.where(f"NOT ({later})"), won.where(later)
 
 
@@ -334,7 +366,7 @@ def scheduled_commits(later: DataFrame, messages: DataFrame, rules: Rules) -> Da
     )
     rows = _replaced(
         keys.join(select(messages, *STORED_MESSAGE_COLUMNS), "half_offset"),
-        run_number=str(rules.run_number),
+        run_number=rules.run_number_sql,
     )
     return conform(rows, SCHEDULED)
 
@@ -344,6 +376,7 @@ def due_scheduled(scheduled: DataFrame, rules: Rules) -> DataFrame:
     pinned it) due in (prev_watermark_ms, watermark_ms]: this run's to
     deliver. A filter on due_ms alone: Delta skips every file whose
     statistics put it outside."""
+    # literals, not `sql_run_value`: a filter the scan pushes down to its files
     return scheduled.where(f"due_ms > {rules.prev_watermark_ms} AND due_ms <= {rules.watermark_ms}")
 
 
@@ -372,7 +405,7 @@ def live_messages(pending_prev: DataFrame, accepted_half: DataFrame, rules: Rule
         checks_sent="0",
         checks_undecided="0",
         last_check_ms="CAST(NULL AS BIGINT)",
-        run_number=str(rules.run_number),
+        run_number=rules.run_number_sql,
     )
     return conform(pending_prev, PENDING).unionByName(conform(fresh, PENDING))
 
@@ -761,7 +794,7 @@ def with_bodies(fates: DataFrame, messages: DataFrame, *, broadcast: bool = Fals
 def deliveries(settled: DataFrame, rules: Rules) -> DataFrame:
     """TOPIC rows (plus `topic`) of `settled` (queue positions joined
     `with_bodies`)."""
-    rows = _replaced(settled, delivered_ms=str(rules.now_ms), run_id=sql_string(rules.run_id))
+    rows = _replaced(settled, delivered_ms=rules.now_sql, run_id=sql_string(rules.run_id))
     return conform(rows, TOPIC, "topic")
 
 
@@ -773,7 +806,7 @@ def next_queues(queues: DataFrame, positions: DataFrame, rules: Rules) -> DataFr
             F.expr("max(queue_offset) + 1 AS next_queue_offset")
         ),
         "*",
-        f"{rules.run_number} AS run_number",
+        f"{rules.run_number_sql} AS run_number",
     )
     kept = queues.join(select(moved, "topic", "queue_id"), ["topic", "queue_id"], "left_anti")
     return conform(kept, QUEUES).unionByName(conform(moved, QUEUES))
@@ -843,7 +876,7 @@ def _replaced(df: DataFrame, **columns: str | None) -> DataFrame:
 
 def age_sql(rules: Rules) -> str:
     """SQL: now − store_ms; a message stored "in the future" has age 0."""
-    return f"CAST(greatest({rules.now_ms} - store_ms, 0) AS BIGINT)"
+    return f"CAST(greatest({rules.now_sql} - store_ms, 0) AS BIGINT)"
 
 
 def immunity_sql(rules: Rules) -> str:
@@ -860,7 +893,7 @@ def decide(pending: DataFrame, rules: Rules) -> DataFrame:
     """Add `age_ms` and `decision` (EXPIRED, MAX_CHECKS, CHECK, WAIT) per message."""
     counted = "checks_sent" if rules.check_budget == "sent" else "checks_undecided"
     interval_over = (
-        f"(last_check_ms IS NULL OR {rules.now_ms} - last_check_ms >= {rules.check_interval_ms})"
+        f"(last_check_ms IS NULL OR {rules.now_sql} - last_check_ms >= {rules.check_interval_ms})"
     )
     due = f"(age_ms > {immunity_sql(rules)} AND {interval_over})"
     decision = f"""CASE WHEN age_ms > {rules.reserved_ms} THEN '{Decision.EXPIRED}'
@@ -911,7 +944,7 @@ def discards(decided: DataFrame, rules: Rules) -> DataFrame:
         decided.where(f"decision IN {sql_strings([Decision.EXPIRED, Decision.MAX_CHECKS])}"),
         check_times="checks_sent",
         reason="decision",
-        discarded_ms=str(rules.now_ms),
+        discarded_ms=rules.now_sql,
         run_id=sql_string(rules.run_id),
     )
     return conform(rows, DISCARD)
@@ -924,14 +957,14 @@ def check_requests(decided: DataFrame, rules: Rules) -> DataFrame:
         request_id=f"concat({sql_string(rules.run_id + '-')}, CAST(half_offset AS STRING))",
         run_id=sql_string(rules.run_id),
         check_times="checks_sent + 1",
-        requested_ms=str(rules.now_ms),
+        requested_ms=rules.now_sql,
     )
     return conform(rows, CHECK_REQUESTS)
 
 
 def last_check_after_sql(rules: Rules) -> str:
     """SQL: a decided row's last_check_ms once this run is done: now if it is checked."""
-    return f"CASE WHEN decision = '{Decision.CHECK}' THEN {rules.now_ms} ELSE last_check_ms END"
+    return f"CASE WHEN decision = '{Decision.CHECK}' THEN {rules.now_sql} ELSE last_check_ms END"
 
 
 def still_pending(decided: DataFrame, rules: Rules) -> DataFrame:
@@ -942,7 +975,7 @@ def still_pending(decided: DataFrame, rules: Rules) -> DataFrame:
         checks_sent=f"CASE WHEN decision = '{Decision.CHECK}' THEN checks_sent + 1 "
         "ELSE checks_sent END",
         last_check_ms=last_check_after_sql(rules),
-        run_number=str(rules.run_number),
+        run_number=rules.run_number_sql,
     )
 
 

@@ -31,11 +31,29 @@ def test_a_small_run_compiles_no_class_and_leaves_the_sessions_settings_as_they_
         summary = reconcile(spark, {"warehouse": warehouse}, now_ms=T0 + n)
         compiled.append(_classes_compiled(spark) - before)
         assert (summary.committed, summary.rolled_back, summary.pending_after) == (4, 1, 0)
-    # compiled, each run's clock and number in its code would make classes of its own
     assert compiled[1:] == [0, 0]
     assert spark.conf.get("spark.sql.codegen.wholeStage") == "true"
     assert spark.conf.get("spark.sql.codegen.factoryMode", None) is None
     spark.conf.unset("spark.sql.codegen.wholeStage")
+
+
+def test_a_compiled_run_reuses_the_classes_of_the_last_run_of_its_shape(
+    spark, warehouse, monkeypatch
+):
+    # every run compiled, as a run over more than INTERPRETED_MAX_ROWS is
+    monkeypatch.setattr("jobs.interpreted.INTERPRETED_MAX_ROWS", -1)
+    compiled = []
+    for n in range(3):
+        halves = [fx.half(store_ms=T0) for _ in range(5)]
+        fx.write_halves(warehouse, *halves)
+        fx.write_ops(warehouse, *(fx.op(h) for h in halves[:4]), fx.op(halves[4], "ROLLBACK"))
+        before = _classes_compiled(spark)
+        summary = reconcile(spark, {"warehouse": warehouse}, now_ms=T0 + 1_000 * n)
+        compiled.append(_classes_compiled(spark) - before)
+        assert (summary.committed, summary.rolled_back, summary.pending_after) == (4, 1, 0)
+    # the run's clock, number and input versions are not in the generated
+    # code (`T.sql_run_value`): as literals they made ~20 classes every run
+    assert compiled[0] > 0 and compiled[2] == 0, compiled
 
 
 def test_only_a_run_known_to_be_small_runs_interpreted_and_the_settings_come_back(spark):
