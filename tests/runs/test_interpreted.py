@@ -18,19 +18,26 @@ def _classes_compiled(spark) -> int:
     return int(metrics.METRIC_COMPILATION_TIME().getCount())
 
 
-def test_a_small_run_compiles_no_class_and_leaves_the_sessions_settings_as_they_were(
-    spark, warehouse
-):
-    spark.conf.set("spark.sql.codegen.wholeStage", "true")  # as a notebook might
+def _classes_of_three_alike_runs(spark, warehouse) -> list[int]:
+    """The classes compiled by each of three runs of one shape (five new
+    messages: four committed, one rolled back), each at its own clock."""
     compiled = []
     for n in range(3):
         halves = [fx.half(store_ms=T0) for _ in range(5)]
         fx.write_halves(warehouse, *halves)
         fx.write_ops(warehouse, *(fx.op(h) for h in halves[:4]), fx.op(halves[4], "ROLLBACK"))
         before = _classes_compiled(spark)
-        summary = reconcile(spark, {"warehouse": warehouse}, now_ms=T0 + n)
+        summary = reconcile(spark, {"warehouse": warehouse}, now_ms=T0 + 1_000 * n)
         compiled.append(_classes_compiled(spark) - before)
         assert (summary.committed, summary.rolled_back, summary.pending_after) == (4, 1, 0)
+    return compiled
+
+
+def test_a_small_run_compiles_no_class_and_leaves_the_sessions_settings_as_they_were(
+    spark, warehouse
+):
+    spark.conf.set("spark.sql.codegen.wholeStage", "true")  # as a notebook might
+    compiled = _classes_of_three_alike_runs(spark, warehouse)
     assert compiled[1:] == [0, 0]
     assert spark.conf.get("spark.sql.codegen.wholeStage") == "true"
     assert spark.conf.get("spark.sql.codegen.factoryMode", None) is None
@@ -42,15 +49,7 @@ def test_a_compiled_run_reuses_the_classes_of_the_last_run_of_its_shape(
 ):
     # every run compiled, as a run over more than INTERPRETED_MAX_ROWS is
     monkeypatch.setattr("jobs.interpreted.INTERPRETED_MAX_ROWS", -1)
-    compiled = []
-    for n in range(3):
-        halves = [fx.half(store_ms=T0) for _ in range(5)]
-        fx.write_halves(warehouse, *halves)
-        fx.write_ops(warehouse, *(fx.op(h) for h in halves[:4]), fx.op(halves[4], "ROLLBACK"))
-        before = _classes_compiled(spark)
-        summary = reconcile(spark, {"warehouse": warehouse}, now_ms=T0 + 1_000 * n)
-        compiled.append(_classes_compiled(spark) - before)
-        assert (summary.committed, summary.rolled_back, summary.pending_after) == (4, 1, 0)
+    compiled = _classes_of_three_alike_runs(spark, warehouse)
     # the run's clock, number and input versions are not in the generated
     # code (`T.sql_run_value`): as literals they made ~20 classes every run
     assert compiled[0] > 0 and compiled[2] == 0, compiled
