@@ -205,8 +205,9 @@ def sql_run_value(value: int) -> str:
     would miss, and every big run of a long-lived session compile some twenty
     classes anew (Janino, then the JIT, while their loops run slowly). This
     expression is not folded to a literal (its lambda is not foldable), Spark
-    keeps it as an object the code refers to, and it costs ~25 ns a row.
-    Not for a filter a scan should push down to its files: those need literals.
+    keeps it as an object the code refers to, evaluated per row at a small
+    cost (docs/performance.md). Not for a filter a scan should push down to
+    its files: those need literals.
 
     >>> spark.sql(f"SELECT {sql_run_value(7)} AS v").first().v  # doctest: +SKIP
     7
