@@ -55,6 +55,12 @@ BROADCAST_MAX_ROWS = 1_000_000
 POSITIONS_ONE_TASK_MAX_ROWS = 250_000
 
 
+#: up to this many new OPs (their log entries' statistics) are ranked by one
+#: task (`T.classify_ops`): a small run's shuffle of them is a Spark job, and
+#: its tasks' set-up costs more than ranking a few thousand rows
+CLASSIFY_ONE_TASK_MAX_ROWS = 20_000
+
+
 #: the driver's own small frames (`jobs.local`): history keys, each queue's last offset
 _HALF_OFFSETS = StructType([StructField("half_offset", LongType(), False)])
 
@@ -165,7 +171,9 @@ def compute(
         targets = targets.unionByName(T.plain_targets(plain))
     near = _history_near(spark, wh, record, targets)
     targets, discard_hist, discards = (targets, None, False) if near is None else near
-    classified = T.classify_ops(ops, targets, discards=discards)
+    n_ops = appends.appended_rows(paths["op"], record.prev_op_version, record.op_version)
+    few_ops = n_ops is not None and n_ops <= CLASSIFY_ONE_TASK_MAX_ROWS
+    classified = T.classify_ops(ops, targets, discards=discards, one_task=few_ops)
     classified = held.checkpoint(counted.ops(classified, rules))
     if near is None:  # the history of the OPs that name no live message, if any, by key
         classified, discard_hist = _with_history(

@@ -509,7 +509,9 @@ _CLASSIFY_WORK = (
 )
 
 
-def classify_ops(ops: DataFrame, targets: DataFrame, *, discards: bool = True) -> DataFrame:
+def classify_ops(
+    ops: DataFrame, targets: DataFrame, *, discards: bool = True, one_task: bool = False
+) -> DataFrame:
     """Add `outcome` (WIN, DUPLICATE, CONFLICT, INVALID, LATE) and `reason` to
     each OP, and the `topic`, `queue_id` and `discarded` flag of the message
     it names.
@@ -528,6 +530,9 @@ def classify_ops(ops: DataFrame, targets: DataFrame, *, discards: bool = True) -
     never are), so the ADMIN OPs need no ranking of their own: two window
     functions fewer.
 
+    `one_task`: the OPs are few enough to be ranked by one task, which needs
+    no shuffle (a Spark job of its own) to bring each message's OPs together.
+
     The rules are SQL text, as in `conform`: built as Columns in Python they
     take a thousand calls into the JVM on every run's driver.
     """
@@ -540,9 +545,9 @@ def classify_ops(ops: DataFrame, targets: DataFrame, *, discards: bool = True) -
         )
     else:
         admin_ranks = ("false AS _first_admin", "CAST(NULL AS STRING) AS _first_admin_action")
-    ranked = ops.repartition(
-        "half_offset"
-    ).selectExpr(  # the join's partitioning: no second shuffle
+    # one partition, or the join's partitioning: no second shuffle either way
+    together = ops.coalesce(1) if one_task else ops.repartition("half_offset")
+    ranked = together.selectExpr(
         "*",
         f"{_VALID_OP} AND row_number() OVER ({_OP_RANK}) = 1 AS _first",
         f"first(CASE WHEN {_VALID_OP} THEN action END) OVER {_UPTO_HERE} AS _first_action",
