@@ -34,6 +34,7 @@ from jobs.local import local_frame
 from schemas import TableSchema
 from schemas.arrow import arrow_schema
 from schemas.spark import spark_schema
+from txn_core import kept_tables
 from txn_core.delta_log import (
     LOG_DIR,
     entry_name,
@@ -291,7 +292,11 @@ def snapshot_files(path: str, version: int) -> list[str] | None:
     can start its first pass).
     """
     table = open_snapshot(path, version)
-    return None if table is None else table.file_uris()
+    if table is None:
+        return None
+    uris: list[str] = table.file_uris()
+    kept_tables.give_back(table)
+    return uris
 
 
 def snapshot_files_by_stats(path: str, version: int, column: str, may_hold) -> list[str] | None:
@@ -338,6 +343,8 @@ def _files_by_stats(path: str, version: int, column: str, may_hold):
     if table is None:
         return None
     files = pa.table(table.get_add_actions(flatten=True))
+    uris = table.file_uris()
+    kept_tables.give_back(table)
     if files.num_rows == 0:
         return [], files
     low, high = f"min.{column}", f"max.{column}"
@@ -345,7 +352,7 @@ def _files_by_stats(path: str, version: int, column: str, may_hold):
         unknown = pc.or_kleene(pc.is_null(files[low]), pc.is_null(files[high]))
         files = files.filter(pc.or_kleene(unknown, may_hold(files[low], files[high])))
     wanted = {unquote(p).rsplit("/", 1)[-1] for p in files["path"].to_pylist()}
-    return [uri for uri in table.file_uris() if uri.rsplit("/", 1)[-1] in wanted], files
+    return [uri for uri in uris if uri.rsplit("/", 1)[-1] in wanted], files
 
 
 def snapshot_files_holding(
@@ -376,11 +383,15 @@ def _any_within(ordered: list[int], low: int, high: int) -> bool:
 
 def open_snapshot(path: str, version: int):
     """The delta-rs table at `version` when its files can be read as
-    parquet by Spark (`snapshot_files`' conditions); otherwise None."""
+    parquet by Spark (`snapshot_files`' conditions), taken from
+    `txn_core.kept_tables` (give it back); otherwise None."""
     if local_path(path) is None and not is_s3(path):
         return None
-    table = _rs_table(path, version)
-    return table if plain_table(table) else None
+    table = kept_tables.take(path, options_for(path), version=version)
+    if plain_table(table):
+        return table
+    kept_tables.give_back(table)
+    return None
 
 
 def _rs_table(path: str, version: int):

@@ -25,6 +25,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
 from schemas import DISTINCT_COLUMNS
+from txn_core import kept_tables
 from txn_core.delta_log import file_stats, local_path, reader_duties, writer_duties
 from txn_core.storage import is_s3, object_key, options_for, registered
 
@@ -54,20 +55,20 @@ def committable(path: str, df: DataFrame):
     `df`'s columns."""
     if not _local_or_registered_s3(path):
         return None
-    from deltalake import DeltaTable as RsTable
     from deltalake.exceptions import TableNotFoundError
 
     try:
-        table = RsTable(path, storage_options=options_for(path))
+        table = kept_tables.take(path, options_for(path))
     except TableNotFoundError:
         return None
-    if reader_duties(table) is not None or writer_duties(table) is not None:
-        return None
-    schema = table_schema(table)
-    same_columns = [(f.name, f.dataType.simpleString()) for f in schema.fields] == [
-        (f.name, f.dataType.simpleString()) for f in df.schema.fields
-    ]
-    return table if same_columns else None
+    if reader_duties(table) is None and writer_duties(table) is None:
+        schema = table_schema(table)
+        if [(f.name, f.dataType.simpleString()) for f in schema.fields] == [
+            (f.name, f.dataType.simpleString()) for f in df.schema.fields
+        ]:
+            return table
+    kept_tables.give_back(table)
+    return None
 
 
 def _local_or_registered_s3(path: str) -> bool:
@@ -333,6 +334,7 @@ def after_commit(table) -> int:
     table.update_incremental()
     version: int = table.version()
     checkpoint_as_delta_does(table, version, table.metadata().configuration)
+    kept_tables.give_back(table)  # for the next run's commit
     return version
 
 

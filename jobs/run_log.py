@@ -91,14 +91,15 @@ def write_run_record(warehouse: str, record: RunRecord) -> None:
     two, one after the other on its critical path (intent, commit).
     The table is the same Delta table to Spark (verify, compaction).
     """
-    from deltalake import CommitProperties, DeltaTable, write_deltalake
+    from deltalake import CommitProperties, write_deltalake
 
+    from txn_core import kept_tables
     from txn_core.tables import checkpoint_if_due
 
     row = pa.Table.from_pylist([record.to_row()], schema=arrow_schema(RUNS))
     tag = run_tag(record.run_number, f"{RUNS.path}:{record.status}")
     path = table_path(warehouse, RUNS)
-    table = DeltaTable(path, storage_options=options_for(path))
+    table = kept_tables.take(path, options_for(path))
     write_deltalake(
         table,
         row,
@@ -106,6 +107,7 @@ def write_run_record(warehouse: str, record: RunRecord) -> None:
         commit_properties=CommitProperties(custom_metadata={"userMetadata": tag}),
     )
     checkpoint_if_due(table)
+    kept_tables.give_back(table)
 
 
 def decode_json(text: str | None) -> dict:

@@ -21,6 +21,7 @@ from deltalake.schema import Field
 
 from schemas import CHECK_ANSWERS, HALF, LEASE, OP, PRODUCERS, RUNS, TableSchema, table_path
 from schemas.arrow import arrow_schema
+from txn_core import kept_tables
 from txn_core.storage import options_for
 
 BROKER_TABLES = (HALF, OP, CHECK_ANSWERS, PRODUCERS)
@@ -199,9 +200,16 @@ def latest_run_rows(
     """
     try:
         uri = table_path(warehouse, RUNS)
-        table = DeltaTable(uri, storage_options=options_for(uri, storage_options))
+        table = kept_tables.take(uri, options_for(uri, storage_options))
     except TableNotFoundError:
         return []
+    try:
+        return _latest_run_rows(table, columns)
+    finally:
+        kept_tables.give_back(table)
+
+
+def _latest_run_rows(table: DeltaTable, columns: list[str] | None) -> list[dict[str, Any]]:
     files = pa.table(table.get_add_actions(flatten=True))
     if files.num_rows == 0:
         return []
