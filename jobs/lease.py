@@ -25,10 +25,12 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 from deltalake import CommitProperties, write_deltalake
-from deltalake.exceptions import CommitFailedError, DeltaError
+from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
-from schemas import LEASE
+from schemas import LEASE, table_path
 from schemas.arrow import arrow_schema
+from txn_core import kept_tables
+from txn_core.storage import options_for
 from txn_core.tables import checkpoint_if_due, lease_table
 
 EXIT_LEASE_HELD = 75
@@ -77,10 +79,21 @@ class Lease:
     def _now_ms(self) -> int:
         return int(self.clock() * 1000)
 
+    @contextmanager
     def _read(self):
-        table = lease_table(self.warehouse, self.storage_options)
-        rows = table.to_pyarrow_table().to_pylist()
-        return table, (LeaseRow(**rows[-1]) if rows else None)
+        """(the lease table, its row) for the block: the table kept open
+        between runs (`txn_core.kept_tables`), up to date, or opened (made
+        if missing)."""
+        uri = table_path(self.warehouse, LEASE)
+        try:
+            table = kept_tables.take(uri, options_for(uri, self.storage_options))
+        except TableNotFoundError:
+            table = lease_table(self.warehouse, self.storage_options)
+        try:
+            rows = table.to_pyarrow_table().to_pylist()
+            yield table, (LeaseRow(**rows[-1]) if rows else None)
+        finally:
+            kept_tables.give_back(table)
 
     def _blocking(self, row: LeaseRow | None) -> bool:
         """Does `row` keep us out?"""
@@ -111,16 +124,18 @@ class Lease:
         checkpoint_if_due(table)
 
     def acquire(self) -> Lease:
-        table, row = self._read()
-        if self._blocking(row):
-            raise LeaseHeld(
-                f"another run holds the job's lease: {row.holder} (host {row.host}, "
-                f"pid {row.pid}) until {row.expires_ms} ms; retry later"
-            )
-        try:
-            self._write(table, "ACQUIRE", self._now_ms() + self.ttl_ms)
-        except (CommitFailedError, DeltaError) as exc:
-            raise LeaseHeld(f"another run took the job's lease first ({exc}); retry later") from exc
+        with self._read() as (table, row):
+            if self._blocking(row):
+                raise LeaseHeld(
+                    f"another run holds the job's lease: {row.holder} (host {row.host}, "
+                    f"pid {row.pid}) until {row.expires_ms} ms; retry later"
+                )
+            try:
+                self._write(table, "ACQUIRE", self._now_ms() + self.ttl_ms)
+            except (CommitFailedError, DeltaError) as exc:
+                raise LeaseHeld(
+                    f"another run took the job's lease first ({exc}); retry later"
+                ) from exc
         self.held = True
         self._renewed_ms = self._now_ms()
         return self
@@ -144,18 +159,18 @@ class Lease:
     def _keep_alive(self) -> None:
         if not self.held or self._now_ms() - self._renewed_ms < self.ttl_ms // 3:
             return
-        table, row = self._read()
-        if row is None or row.holder != self.holder:
-            self.held = False
-            raise LeaseLost(
-                f"the job's lease was taken over by {row.holder if row else 'nobody'}"
-                " while this run was working; its intent will be redone"
-            )
-        try:
-            self._write(table, "RENEW", self._now_ms() + self.ttl_ms)
-        except (CommitFailedError, DeltaError) as exc:
-            self.held = False
-            raise LeaseLost(f"lost the job's lease while renewing it: {exc}") from exc
+        with self._read() as (table, row):
+            if row is None or row.holder != self.holder:
+                self.held = False
+                raise LeaseLost(
+                    f"the job's lease was taken over by {row.holder if row else 'nobody'}"
+                    " while this run was working; its intent will be redone"
+                )
+            try:
+                self._write(table, "RENEW", self._now_ms() + self.ttl_ms)
+            except (CommitFailedError, DeltaError) as exc:
+                self.held = False
+                raise LeaseLost(f"lost the job's lease while renewing it: {exc}") from exc
         self._renewed_ms = self._now_ms()
 
     @contextmanager
@@ -190,16 +205,17 @@ class Lease:
         if not self.held:
             return
         self.held = False
-        table, row = self._read()
-        if row is None or row.holder != self.holder:
-            return
-        try:
-            self._write(table, "RELEASE", self._now_ms())
-        except (CommitFailedError, DeltaError):
-            pass  # someone else moved on; an unreleased lease only expires later
+        with self._read() as (table, row):
+            if row is None or row.holder != self.holder:
+                return
+            try:
+                self._write(table, "RELEASE", self._now_ms())
+            except (CommitFailedError, DeltaError):
+                pass  # someone else moved on; an unreleased lease only expires later
 
     def current(self) -> LeaseRow | None:
-        return self._read()[1]
+        with self._read() as (_, row):
+            return row
 
 
 def _dead_local_process(row: LeaseRow) -> bool:

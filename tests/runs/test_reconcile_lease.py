@@ -53,11 +53,11 @@ def test_expired_lease_is_taken_over(warehouse):
 
 def test_of_two_runners_reading_the_same_version_only_one_commits(warehouse):
     slow = Lease(warehouse, ttl_s=60)
-    table, row = slow._read()
-    assert row is None
-    Lease(warehouse, ttl_s=60).acquire()  # the other runner commits first
-    with pytest.raises(CommitFailedError):
-        slow._write(table, "ACQUIRE", 0)
+    with slow._read() as (table, row):
+        assert row is None
+        Lease(warehouse, ttl_s=60).acquire()  # the other runner commits first
+        with pytest.raises(CommitFailedError):
+            slow._write(table, "ACQUIRE", 0)
 
 
 def test_renewal_fails_once_another_run_took_over(warehouse):
