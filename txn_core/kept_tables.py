@@ -72,12 +72,6 @@ def give_back(table: DeltaTable) -> None:
             _kept.popitem(last=False)
 
 
-def forget_all() -> None:
-    """Drop every kept table (their next users open them afresh)."""
-    with _lock:
-        _kept.clear()
-
-
 def _key(uri: str) -> str | None:
     """The table's directory, however `uri` spells it; None off a local disk."""
     root = local_path(uri)
