@@ -1,12 +1,12 @@
 """delta-rs tables a long-lived process keeps open between its uses of them.
 
-Opening a table replays its log from the last checkpoint: 5-40 ms a table
-on a local disk, and a continuous job's run opens a dozen of its own tables
-(the run records, the pending set, the queues, the topics it commits to),
-most of them on the run's critical path. A table given back after use is
-brought up to date when taken again (`update_incremental`: a listing of the
-log and the entries added since, 1-3 ms), so later commits by anyone (an
-operator's compaction, another process) are seen as on a fresh open.
+Opening a table replays its log from the last checkpoint, and a continuous
+job's run uses a dozen of its own tables (the run records, the pending set,
+the queues, the topics it commits to), most of them on the run's critical
+path (docs/performance.md). A table given back after use is brought up to
+date when taken again (`update_incremental`: a listing of the log and the
+entries added since), so later commits by anyone (an operator's
+compaction, another process) are seen as on a fresh open.
 
 A table is never shared: taking it removes it from here, and a second user
 meanwhile opens its own. Only tables on a local disk are kept, and only

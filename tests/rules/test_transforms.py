@@ -299,9 +299,8 @@ def test_an_op_row_written_twice_wins_once(spark):
     ]
 
 
-def test_live_messages_are_classified_alike_without_ranking_admin_ops(spark):
-    """`discards=False` (the run's first pass, against live messages only)
-    must give every OP the outcome the full ranking gives it."""
+def _mixed_ops(spark):
+    """(OPs of every outcome for three live messages and an unknown one, their targets)."""
     a, b, c = fx.half(1), fx.half(2), fx.half(3)
     ops = ops_df(
         spark,
@@ -316,7 +315,34 @@ def test_live_messages_are_classified_alike_without_ranking_admin_ops(spark):
         (fx.op(c, "ROLLBACK", op_offset=8, source="CHECK"), 4),
         (fx.op(fx.half(99), op_offset=10), 1),
     )
-    targets = T.op_targets(T.message_keys(pending_df(spark, a, b, c)), _history(spark))
+    return ops, T.op_targets(T.message_keys(pending_df(spark, a, b, c)), _history(spark))
+
+
+def test_few_ops_are_classified_alike_by_one_task_without_a_shuffle(spark):
+    """`one_task` (a small run) ranks the OPs in one partition: the same
+    outcomes as the OPs shuffled by message, and no such shuffle planned."""
+    ops, targets = _mixed_ops(spark)
+    ops = ops.repartition(3)  # a message's OPs in several partitions
+    targets = F.broadcast(targets)  # few, as a small run's
+    one = T.classify_ops(ops, targets, one_task=True)
+    shuffled = T.classify_ops(ops, targets)
+    assert_df_equality(one, shuffled, ignore_row_order=True, ignore_nullable=True)
+
+    def shuffles(df) -> int:  # the history's own grouping among them
+        return (
+            df._jdf.queryExecution()
+            .executedPlan()
+            .toString()
+            .count("Exchange hashpartitioning(half_offset")
+        )
+
+    assert shuffles(one) == shuffles(shuffled) - 1
+
+
+def test_live_messages_are_classified_alike_without_ranking_admin_ops(spark):
+    """`discards=False` (the run's first pass, against live messages only)
+    must give every OP the outcome the full ranking gives it."""
+    ops, targets = _mixed_ops(spark)
     lean = T.classify_ops(ops, targets, discards=False)
     full = T.classify_ops(ops, targets)
     assert_df_equality(lean, full, ignore_row_order=True, ignore_nullable=True)
