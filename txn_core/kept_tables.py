@@ -9,9 +9,13 @@ entries added since), so later commits by anyone (an operator's
 compaction, another process) are seen as on a fresh open.
 
 A table is never shared: taking it removes it from here, and a second user
-meanwhile opens its own. Only tables on a local disk are kept, and only
-while the log entry of the version they were given back at is the same file
-(a table deleted and made again at its path is opened afresh).
+meanwhile opens its own. A table is kept only while the log entry of the
+version it was given back at is the same file (a table deleted and made
+again at its path is opened afresh): on a local disk its inode and
+modification time, on S3 its ETag and modification time (a HEAD request at
+each end, where an open costs a GET of the checkpoint and of every entry
+after it). An S3 table is kept only when it was opened with the options of
+its registered warehouse (`txn_core.storage`), whose client makes the HEAD.
 
     >>> table = take("/wh/_sys/runs")              # doctest: +SKIP
     >>> table.version()                            # doctest: +SKIP
@@ -27,6 +31,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from txn_core.delta_log import local_path, open_table
+from txn_core.storage import is_s3, registered
 
 if TYPE_CHECKING:
     from deltalake import DeltaTable
@@ -35,7 +40,10 @@ if TYPE_CHECKING:
 #: writes some fifteen; a test process opens hundreds of warehouses
 KEPT_MAX = 64
 
-_kept: OrderedDict[str, tuple[DeltaTable, tuple[int, int]]] = OrderedDict()
+#: what tells one log entry from another file at its path (`_entry_identity`)
+Identity = tuple[object, object]
+
+_kept: OrderedDict[str, tuple[DeltaTable, Identity]] = OrderedDict()
 _lock = threading.Lock()
 
 
@@ -49,9 +57,11 @@ def take(
     key = _key(uri)
     with _lock:
         entry = None if key is None else _kept.pop(key, None)
-    if entry is not None:
+    if key is not None and entry is not None:
         table, identity = entry
-        if _entry_identity(table) == identity and _updated(table):
+        if local_path(uri) is None and table._storage_options != storage_options:
+            _keep(key, entry)  # for a caller with the options it was opened with
+        elif _entry_identity(table) == identity and _updated(table):
             if version is None or table.version() == version:
                 return table
             give_back(table)  # up to date, for the next user; this one wants an older version
@@ -61,34 +71,61 @@ def take(
 
 def give_back(table: DeltaTable) -> None:
     """Keep `table` (from `take`, or any delta-rs table) for the next `take`
-    of its path; a table on another store than a local disk is dropped."""
+    of its path; a table that cannot be kept (above) is dropped."""
     key, identity = _key(table.table_uri), _entry_identity(table)
-    if key is None or identity is None:
-        return
+    if key is not None and identity is not None:
+        _keep(key, (table, identity))
+
+
+def _keep(key: str, entry: tuple[DeltaTable, Identity]) -> None:
     with _lock:
-        _kept[key] = (table, identity)
+        _kept[key] = entry
         _kept.move_to_end(key)
         while len(_kept) > KEPT_MAX:
             _kept.popitem(last=False)
 
 
 def _key(uri: str) -> str | None:
-    """The table's directory, however `uri` spells it; None off a local disk."""
+    """The table's directory, however `uri` spells it; None off a local disk and S3."""
+    if is_s3(uri):
+        return "s3://" + uri.split("://", 1)[1].rstrip("/")
     root = local_path(uri)
     return None if root is None else os.path.normpath(os.path.abspath(root))
 
 
-def _entry_identity(table: DeltaTable) -> tuple[int, int] | None:
-    """(inode, modification time in ns) of the log entry of the version the
-    table is at, on a local disk; None elsewhere or when it is gone."""
-    root = local_path(table.table_uri)
-    if root is None:
-        return None
+def _entry_identity(table: DeltaTable) -> Identity | None:
+    """What tells the log entry of the version the table is at from another
+    file at its path; None when it is gone, or on another store."""
     try:
-        st = os.stat(os.path.join(root, "_delta_log", f"{table.version():020d}.json"))
+        version = table.version()
+        if is_s3(table.table_uri):
+            return _s3_entry_identity(table, version)
+        root = local_path(table.table_uri)
+        if root is None:
+            return None
+        st = os.stat(os.path.join(root, "_delta_log", f"{version:020d}.json"))
     except OSError:
         return None
     return st.st_ino, st.st_mtime_ns
+
+
+def _s3_entry_identity(table: DeltaTable, version: int) -> Identity | None:
+    """(ETag, modification time) of the entry, by a HEAD request of the
+    client of the table's registered warehouse; None when the table was
+    opened with other options (another store, other credentials) or the
+    entry cannot be seen."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    storage = registered(table.table_uri)
+    if storage is None or storage.delta_rs_options() != table._storage_options:
+        return None
+    bucket, _, key = table.table_uri.split("://", 1)[1].partition("/")
+    entry = f"{key.strip('/')}/_delta_log/{version:020d}.json"
+    try:
+        head = storage.s3_client().head_object(Bucket=bucket, Key=entry)
+    except (BotoCoreError, ClientError):
+        return None
+    return head.get("ETag"), head.get("LastModified")
 
 
 def _updated(table: DeltaTable) -> bool:

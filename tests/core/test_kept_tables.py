@@ -71,11 +71,75 @@ def test_a_table_made_again_at_its_path_is_opened_afresh(tmp_path):
     assert _numbers(table) == [7, 8]
 
 
-def test_only_tables_on_a_local_disk_are_kept(tmp_path):
+def test_a_table_on_a_local_disk_given_back_is_the_one_taken(tmp_path):
     path = str(tmp_path / "t")
     write_deltalake(path, _rows(1))
     local = DeltaTable(path)
     kept_tables.give_back(local)
     assert kept_tables.take(path) is local
 
-    assert kept_tables._key("s3://bucket/wh/_sys/runs") is None
+
+# --- on S3 (MinIO on loopback) ---------------------------------------------------------
+
+
+def _s3_table_path(s3) -> tuple[str, dict[str, str], object]:
+    """A table's URI in a fresh warehouse registered on the S3 server, its
+    delta-rs options, and the warehouse's storage."""
+    from txn_core.config import load_config
+    from txn_core.storage import Storage, use
+
+    storage = use(Storage.from_config(load_config(env={}, **s3.config())))
+    options = storage.delta_rs_options()
+    assert options is not None
+    return storage.warehouse + "/t", options, storage
+
+
+def _delete_table(storage, uri: str) -> None:
+    client = storage.s3_client()
+    bucket, _, prefix = uri.split("://", 1)[1].partition("/")
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/")
+    for item in listed.get("Contents", []):
+        client.delete_object(Bucket=bucket, Key=item["Key"])
+
+
+def test_on_s3_a_table_given_back_is_taken_again_with_the_commits_made_since(s3):
+    uri, options, _ = _s3_table_path(s3)
+    write_deltalake(uri, _rows(1), storage_options=options)
+    first = kept_tables.take(uri, options)
+    kept_tables.give_back(first)
+    write_deltalake(uri, _rows(2), mode="append", storage_options=options)  # by another writer
+
+    again = kept_tables.take(uri, options)
+
+    assert again is first
+    assert (again.version(), _numbers(again)) == (1, [1, 2])
+
+
+def test_on_s3_a_table_made_again_at_its_path_is_opened_afresh(s3):
+    uri, options, storage = _s3_table_path(s3)
+    write_deltalake(uri, _rows(1), storage_options=options)
+    write_deltalake(uri, _rows(2), mode="append", storage_options=options)
+    kept = kept_tables.take(uri, options)
+    kept_tables.give_back(kept)
+    _delete_table(storage, uri)
+    write_deltalake(uri, _rows(7), storage_options=options)
+    write_deltalake(uri, _rows(8), mode="append", storage_options=options)  # the same versions
+
+    table = kept_tables.take(uri, options)
+
+    assert table is not kept
+    assert _numbers(table) == [7, 8]
+
+
+def test_on_s3_a_table_opened_with_other_options_than_its_warehouses_is_not_kept(s3):
+    uri, options, _ = _s3_table_path(s3)
+    write_deltalake(uri, _rows(1), storage_options=options)
+    other = DeltaTable(uri, storage_options={**options, "AWS_REQUEST_PAYER": "false"})
+    kept_tables.give_back(other)
+    assert kept_tables.take(uri, options) is not other
+
+    mine = kept_tables.take(uri, options)
+    kept_tables.give_back(mine)
+    # the kept table is handed only to a caller with the options it was opened with
+    assert kept_tables.take(uri, {**options, "AWS_REQUEST_PAYER": "false"}) is not mine
+    assert kept_tables.take(uri, options) is mine
