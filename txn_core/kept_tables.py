@@ -31,7 +31,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from txn_core.delta_log import local_path, open_table
-from txn_core.storage import is_s3, registered
+from txn_core.storage import StorageError, is_s3, registered
 
 if TYPE_CHECKING:
     from deltalake import DeltaTable
@@ -112,17 +112,21 @@ def _entry_identity(table: DeltaTable) -> Identity | None:
 def _s3_entry_identity(table: DeltaTable, version: int) -> Identity | None:
     """(ETag, modification time) of the entry, by a HEAD request of the
     client of the table's registered warehouse; None when the table was
-    opened with other options (another store, other credentials) or the
-    entry cannot be seen."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
+    opened with other options (another endpoint, region or addressing) or
+    the entry cannot be seen."""
     storage = registered(table.table_uri)
     if storage is None or storage.delta_rs_options() != table._storage_options:
         return None
     bucket, _, key = table.table_uri.split("://", 1)[1].partition("/")
     entry = f"{key.strip('/')}/_delta_log/{version:020d}.json"
     try:
-        head = storage.s3_client().head_object(Bucket=bucket, Key=entry)
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        client = storage.s3_client()
+    except (ImportError, StorageError):  # no boto3: the table is opened at each use
+        return None
+    try:
+        head = client.head_object(Bucket=bucket, Key=entry)
     except (BotoCoreError, ClientError):
         return None
     return head.get("ETag"), head.get("LastModified")
