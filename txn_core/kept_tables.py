@@ -45,6 +45,10 @@ Identity = tuple[object, object]
 
 _kept: OrderedDict[str, tuple[DeltaTable, Identity]] = OrderedDict()
 _lock = threading.Lock()
+#: the attribute of a taken table holding its version and entry identity as
+#: `take` checked them (a HEAD request on S3), for `give_back` of a table
+#: nobody committed to (a DeltaTable is not hashable: no dict can key it)
+_CHECKED = "_txn_kept_checked"
 
 
 def take(
@@ -61,10 +65,14 @@ def take(
         table, identity = entry
         if local_path(uri) is None and table._storage_options != storage_options:
             _keep(key, entry)  # for a caller with the options it was opened with
-        elif _entry_identity(table) == identity and _updated(table):
-            if version is None or table.version() == version:
-                return table
-            give_back(table)  # up to date, for the next user; this one wants an older version
+        elif _entry_identity(table) == identity:
+            checked_at = table.version()
+            if _updated(table):
+                # given back still at the version checked here, it needs no new check
+                setattr(table, _CHECKED, (checked_at, identity))
+                if version is None or table.version() == version:
+                    return table
+                give_back(table)  # up to date, for the next user; this one wants another version
     opened: DeltaTable = open_table(uri, version=version, storage_options=storage_options)
     return opened
 
@@ -72,8 +80,13 @@ def take(
 def give_back(table: DeltaTable) -> None:
     """Keep `table` (from `take`, or any delta-rs table) for the next `take`
     of its path; a table that cannot be kept (above) is dropped."""
-    key, identity = _key(table.table_uri), _entry_identity(table)
-    if key is not None and identity is not None:
+    key = _key(table.table_uri)
+    if key is None:
+        return
+    checked = table.__dict__.pop(_CHECKED, None)
+    same = checked is not None and checked[0] == table.version()
+    identity = checked[1] if checked is not None and same else _entry_identity(table)
+    if identity is not None:
         _keep(key, (table, identity))
 
 

@@ -143,3 +143,21 @@ def test_on_s3_a_table_opened_with_other_options_than_its_warehouses_is_not_kept
     # the kept table is handed only to a caller with the options it was opened with
     assert kept_tables.take(uri, {**options, "AWS_REQUEST_PAYER": "false"}) is not mine
     assert kept_tables.take(uri, options) is mine
+
+
+def test_on_s3_a_table_given_back_unchanged_needs_no_second_request(s3):
+    uri, options, _ = _s3_table_path(s3)
+    write_deltalake(uri, _rows(1), storage_options=options)
+    kept_tables.give_back(kept_tables.take(uri, options))
+
+    def heads(use) -> int:
+        before = s3.requests().get("HEAD", 0)
+        use()
+        return s3.requests().get("HEAD", 0) - before
+
+    read = kept_tables.take(uri, options)
+    assert heads(lambda: kept_tables.give_back(read)) == 0  # checked when taken
+    written = kept_tables.take(uri, options)
+    write_deltalake(written, _rows(2), mode="append")
+    assert heads(lambda: kept_tables.give_back(written)) == 1  # a new version: its own entry
+    assert _numbers(kept_tables.take(uri, options)) == [1, 2]
