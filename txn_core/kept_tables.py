@@ -14,8 +14,9 @@ version it was given back at is the same file (a table deleted and made
 again at its path is opened afresh): on a local disk its inode and
 modification time, on S3 its ETag and modification time (a HEAD request on
 taking, and on giving back at a new version, where an open costs a GET of
-the checkpoint and of every entry after it). An S3 table is kept only when it was opened with the options of
-its registered warehouse (`txn_core.storage`), whose client makes the HEAD.
+the checkpoint and of every entry after it). An S3 table is kept only when
+it was opened with the options of its registered warehouse
+(`txn_core.storage`), whose client makes the HEAD.
 
     >>> table = take("/wh/_sys/runs")              # doctest: +SKIP
     >>> table.version()                            # doctest: +SKIP
