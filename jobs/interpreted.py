@@ -22,10 +22,15 @@ log = logging.getLogger(__name__)
 INTERPRETED_MAX_ROWS = 20_000
 
 #: the session's settings while a small run runs: no whole-stage code, and
-#: Spark's expression factories take their interpreted form
+#: Spark's expression factories take their interpreted form. And a join
+#: whose sides are each in one partition (`T.with_bodies(one_task=True)`)
+#: stays in that partition: past this size, by Spark's estimate of a side,
+#: which for a join's output multiplies its inputs' (and may still pass
+#: this), Spark shuffles both sides into several (a Spark job each)
 INTERPRETED = {
     "spark.sql.codegen.wholeStage": "false",
     "spark.sql.codegen.factoryMode": "NO_CODEGEN",
+    "spark.sql.maxSinglePartitionBytes": str(2**63 - 1),
 }
 
 

@@ -11,7 +11,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
 
-from jobs import appends, cancels, inputs, job_tables, run_log, scheduled
+from jobs import appends, cancels, driver_writes, inputs, job_tables, run_log, scheduled
 from jobs import transforms as T
 from jobs.counters import Counters
 from jobs.held import Held
@@ -61,6 +61,13 @@ POSITIONS_ONE_TASK_MAX_ROWS = 250_000
 CLASSIFY_ONE_TASK_MAX_ROWS = 20_000
 
 
+#: up to this many live messages (pending before, new half rows), those
+#: left undecided are decided and joined with their bodies in one pass and
+#: kept: as many as a run keeps anyway when a table's write may collect
+#: them (`driver_writes.MESSAGE_MAX_ROWS`), and a local checkpoint fewer
+UNDELIVERED_ONE_PASS_MAX_ROWS = driver_writes.MESSAGE_MAX_ROWS
+
+
 #: the driver's own small frames (`jobs.local`): history keys, each queue's last offset
 _HALF_OFFSETS = StructType([StructField("half_offset", LongType(), False)])
 
@@ -93,7 +100,14 @@ class Outputs:
 
 
 def compute(
-    spark, wh: str, record: run_log.RunRecord, rules: T.Rules, held: Held, writes: RunWrites | None
+    spark,
+    wh: str,
+    record: run_log.RunRecord,
+    rules: T.Rules,
+    held: Held,
+    writes: RunWrites | None,
+    *,
+    small: bool = False,
 ) -> Outputs:
     """The run's outputs (`jobs.transforms`' docstring has the order).
 
@@ -107,7 +121,8 @@ def compute(
     topics). The messages not delivered (pending, checked, discarded: few)
     are joined with their bodies by a pass of their own, kept when more
     than one table takes rows from it (reading the bodies twice is cheaper
-    than keeping the delivered rows with them). Each write
+    than keeping the delivered rows with them); when the live messages are
+    few, they are decided in that same pass. Each write
     starts as soon as its rows are known (`writes`) and runs beside the
     rest. No `writes` (a dry run): the counters only, the bodies are never
     read.
@@ -116,6 +131,12 @@ def compute(
     never enter the live set: when the run has any, their keys are kept
     apart, join the OP targets as already committed and the winners as
     COMMITs of their own, which `T.queue_positions` merges with the OPs'.
+
+    `small`: the run reads a few thousand rows and the session runs with
+    `jobs.interpreted`'s settings, which keep a join of two one-partition
+    sides in one partition: its joins are then done by one task each, the
+    smaller side in a hash table (`T.with_bodies(one_task=True)`), where
+    sending it to every task first is a Spark job of its own.
     """
     writing = writes is not None
     paths = inputs.input_paths(wh)
@@ -173,7 +194,9 @@ def compute(
     targets, discard_hist, discards = (targets, None, False) if near is None else near
     n_ops = appends.appended_rows(paths["op"], record.prev_op_version, record.op_version)
     few_ops = n_ops is not None and n_ops <= CLASSIFY_ONE_TASK_MAX_ROWS
-    classified = T.classify_ops(ops, targets, discards=discards, one_task=few_ops)
+    classified = T.classify_ops(
+        ops, targets, discards=discards, one_task=few_ops, few_targets=small
+    )
     classified = held.checkpoint(counted.ops(classified, rules))
     if near is None:  # the history of the OPs that name no live message, if any, by key
         classified, discard_hist = _with_history(
@@ -229,7 +252,9 @@ def compute(
     delivered_by_topic = _delivered_by_topic(queue_ends)
     if writing and delivered_by_topic:  # a few rows, written first for the same reason
         writes.start(
-            T.next_queues(queues, _queue_ends_frame(spark, queue_ends), rules).coalesce(1),
+            T.next_queues(
+                queues, _queue_ends_frame(spark, queue_ends), rules, one_task=True
+            ).coalesce(1),
             table_path(wh, QUEUES),
             QUEUES.path,
             "overwrite",
@@ -269,14 +294,23 @@ def compute(
             T.queue_positions(won, queues, plain=merge, one_task=one_task),
             delivered_from,
             broadcast=c["committed"] <= BROADCAST_MAX_ROWS,
+            one_task=small,
         )
         start_deliveries(wh, T.deliveries(delivered, rules), delivered_by_topic, writes)
     few_won = c["committed"] - c["plain"] + c["rolled_back"] <= BROADCAST_MAX_ROWS
     few_won = few_won and c["delivered_scheduled"] <= BROADCAST_MAX_ROWS
-    undecided = T.remaining_pending(live, won_ops, broadcast=few_won)
-    decided = held.checkpoint(
-        counted.fates(T.decide(T.apply_answers(undecided, answers), rules), rules)
-    )
+    undecided = T.remaining_pending(live, won_ops, broadcast=few_won, one_task=small)
+    fates = T.decide(T.apply_answers(undecided, answers), rules)
+    # few live messages: decided and joined with their bodies in one pass,
+    # kept (as `_keeps_undelivered` keeps so few), instead of two. Counted
+    # on the joined rows (each fate has its message): a join that finds a
+    # side empty may leave the other out of the executed plan
+    few_live = writing and _live_rows(c) <= UNDELIVERED_ONE_PASS_MAX_ROWS
+    if few_live:
+        joined = T.with_bodies(fates, known, broadcast=True, one_task=small)
+        undelivered = held.checkpoint(counted.bodies(counted.fates(joined, rules)))
+    else:
+        decided = held.checkpoint(counted.fates(fates, rules))
     c = {k: v for k, v in _with_scheduling(counted.values(), later).items() if k[0] != "_"}
     c["cancelled"] = 0
     if judged is not None:
@@ -294,13 +328,16 @@ def compute(
     c["answers_read"] = (
         answers.count() if record.answers_version > record.prev_answers_version else 0
     )
-    undelivered = T.with_bodies(
-        decided, known, broadcast=_undelivered_rows(c) <= BROADCAST_MAX_ROWS
-    )
     body_bytes = None
-    if writing and _keeps_undelivered(c, writes):
-        undelivered = held.checkpoint(counted.bodies(undelivered))
+    if few_live:
         body_bytes = counted.values()["_body_bytes"]
+    else:
+        undelivered = T.with_bodies(
+            decided, known, broadcast=_undelivered_rows(c) <= BROADCAST_MAX_ROWS
+        )
+        if writing and _keeps_undelivered(c, writes):
+            undelivered = held.checkpoint(counted.bodies(undelivered))
+            body_bytes = counted.values()["_body_bytes"]
 
     def with_decision(*decisions: str):
         return undelivered.where(f"decision IN {T.sql_strings(decisions)}")
@@ -396,6 +433,12 @@ def _plain_keys(checked, rules: T.Rules, held: Held):
     accepted, _ = T.split_halves(checked, rules)
     _, plain = T.split_kinds(accepted)
     return held.checkpoint(T.plain_keys(plain))
+
+
+def _live_rows(c: dict) -> int:
+    """At most how many messages this run may leave undecided: the pending
+    set it read and its new half rows."""
+    return c["pending_before"] + c["half_read"]
 
 
 def _undelivered_rows(c: dict) -> int:

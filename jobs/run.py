@@ -374,9 +374,10 @@ def _execute(
     rules = T.Rules.from_json(record.rules_json)
     held = Held()
     writes = RunWrites(record.run_number, lease, redo, cfg.max_body_bytes) if write else None
-    with appends.log_entries_kept(), interpreted_if_small(spark, _rows_read(wh, record, pending)):
+    small_run = interpreted_if_small(spark, _rows_read(wh, record, pending))
+    with appends.log_entries_kept(), small_run as small:
         try:
-            out = compute(spark, wh, record, rules, held, writes)
+            out = compute(spark, wh, record, rules, held, writes, small=small)
             if writes is not None:
                 write_outputs(wh, out, writes)
             summary = _summary(record, out, int((time.time() - started) * 1000))

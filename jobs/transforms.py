@@ -510,7 +510,12 @@ _CLASSIFY_WORK = (
 
 
 def classify_ops(
-    ops: DataFrame, targets: DataFrame, *, discards: bool = True, one_task: bool = False
+    ops: DataFrame,
+    targets: DataFrame,
+    *,
+    discards: bool = True,
+    one_task: bool = False,
+    few_targets: bool = False,
 ) -> DataFrame:
     """Add `outcome` (WIN, DUPLICATE, CONFLICT, INVALID, LATE) and `reason` to
     each OP, and the `topic`, `queue_id` and `discarded` flag of the message
@@ -532,6 +537,9 @@ def classify_ops(
 
     `one_task`: the OPs are few enough to be ranked by one task, which needs
     no shuffle (a Spark job of its own) to bring each message's OPs together.
+    With `few_targets` too, that task also joins them with the targets, held
+    in a hash table, where sending the targets to every task first is
+    another Spark job.
 
     The rules are SQL text, as in `conform`: built as Columns in Python they
     take a thousand calls into the JVM on every run's driver.
@@ -563,6 +571,8 @@ def classify_ops(
         "discarded",
         "due_ms",
     )
+    if one_task and few_targets:
+        t = _in_one_task(t)
     joined = (
         ranked.join(t, "half_offset", "left")
         .selectExpr("*", f"{_OP_INVALID} AS _invalid")
@@ -781,7 +791,9 @@ def known_messages(messages: DataFrame, discarded: DataFrame) -> DataFrame:
     )
 
 
-def with_bodies(fates: DataFrame, messages: DataFrame, *, broadcast: bool = False) -> DataFrame:
+def with_bodies(
+    fates: DataFrame, messages: DataFrame, *, broadcast: bool = False, one_task: bool = False
+) -> DataFrame:
     """Rows decided on keys alone (queue positions, decided pending rows):
     their FATE_COLUMNS, each with its whole message (the
     STORED_MESSAGE_COLUMNS of `messages`: live messages, plain ones, or a
@@ -789,12 +801,26 @@ def with_bodies(fates: DataFrame, messages: DataFrame, *, broadcast: bool = Fals
 
     `broadcast`: the fates are few enough to send whole to every task, so
     the messages, the wide side, are joined where they lie instead of
-    being shuffled.
+    being shuffled. `one_task`: the messages too are few enough for one
+    task, which joins them with the fates (in a hash table) where sending
+    the fates first is a Spark job of its own.
     """
     decided = select(fates, *[c for c in FATE_COLUMNS if c in fates.columns])
-    if broadcast:
+    stored = select(messages, *STORED_MESSAGE_COLUMNS)
+    if one_task:
+        decided, stored = _in_one_task(decided), stored.coalesce(1)
+    elif broadcast:
         decided = F.broadcast(decided)
-    return decided.join(select(messages, *STORED_MESSAGE_COLUMNS), "half_offset", "inner")
+    return decided.join(stored, "half_offset", "inner")
+
+
+def _in_one_task(side: DataFrame) -> DataFrame:
+    """`side` of a join whose other side is in one partition too, as the
+    hash table it builds: one partition each side needs no exchange (with
+    `jobs.interpreted`'s settings, under which a small run runs), and Spark
+    would otherwise send a small side to every task first (a Spark job of
+    its own)."""
+    return side.coalesce(1).hint("shuffle_hash")
 
 
 def deliveries(settled: DataFrame, rules: Rules) -> DataFrame:
@@ -804,9 +830,16 @@ def deliveries(settled: DataFrame, rules: Rules) -> DataFrame:
     return conform(rows, TOPIC, "topic")
 
 
-def next_queues(queues: DataFrame, positions: DataFrame, rules: Rules) -> DataFrame:
+def next_queues(
+    queues: DataFrame, positions: DataFrame, rules: Rules, *, one_task: bool = False
+) -> DataFrame:
     """The QUEUES table after this run's deliveries (`queue_positions`, or
-    just each queue's last one: only the maximum queue_offset counts)."""
+    just each queue's last one: only the maximum queue_offset counts).
+    `one_task`: both are few (a row per queue), computed by one task with no
+    exchange, where grouping and joining them otherwise take a Spark job
+    each (`with_bodies`)."""
+    if one_task:
+        positions = positions.coalesce(1)
     moved = select(
         positions.groupBy("topic", "queue_id").agg(
             F.expr("max(queue_offset) + 1 AS next_queue_offset")
@@ -814,7 +847,12 @@ def next_queues(queues: DataFrame, positions: DataFrame, rules: Rules) -> DataFr
         "*",
         f"{rules.run_number_sql} AS run_number",
     )
-    kept = queues.join(select(moved, "topic", "queue_id"), ["topic", "queue_id"], "left_anti")
+    if one_task:  # as in `remaining_pending`: an outer join keeps the one partition
+        moved_keys = _in_one_task(select(moved, "topic", "queue_id", "true AS _moved"))
+        kept = queues.coalesce(1).join(moved_keys, ["topic", "queue_id"], "left")
+        kept = kept.where("_moved IS NULL").drop("_moved")
+    else:
+        kept = queues.join(select(moved, "topic", "queue_id"), ["topic", "queue_id"], "left_anti")
     return conform(kept, QUEUES).unionByName(conform(moved, QUEUES))
 
 
@@ -841,11 +879,18 @@ def resolved_rows(won: DataFrame, rules: Rules) -> DataFrame:
 # --- 4. what stays pending -------------------------------------------------
 
 
-def remaining_pending(live: DataFrame, won: DataFrame, *, broadcast: bool = False) -> DataFrame:
+def remaining_pending(
+    live: DataFrame, won: DataFrame, *, broadcast: bool = False, one_task: bool = False
+) -> DataFrame:
     """The live messages no OP of this run decided. `broadcast`: `won` is
     small enough to send whole to every task (the live messages are not
-    shuffled)."""
+    shuffled). `one_task`: both are few enough for one task (`with_bodies`)."""
     keys = select(won, "half_offset")
+    if one_task:
+        # an outer join: Spark moves a one-partition side's coalesce above an anti join
+        won_keys = _in_one_task(select(keys, "half_offset", "true AS _won"))
+        rows = live.coalesce(1).join(won_keys, "half_offset", "left")
+        return rows.where("_won IS NULL").drop("_won")
     return live.join(F.broadcast(keys) if broadcast else keys, "half_offset", "left_anti")
 
 

@@ -7,6 +7,7 @@ from chispa import assert_df_equality
 from pyspark.sql import functions as F
 
 from jobs import transforms as T
+from jobs.interpreted import interpreted_if_small
 from schemas import CHECK_ANSWERS, DISCARD, HALF, OP, PENDING, QUEUES, RESOLVED, TOPIC
 from schemas.spark import spark_schema
 from txn_core.vocabulary import Decision, OpOutcome
@@ -339,6 +340,27 @@ def test_few_ops_are_classified_alike_by_one_task_without_a_shuffle(spark):
     assert shuffles(one) == shuffles(shuffled) - 1
 
 
+def test_few_ops_and_targets_are_joined_in_the_one_task_without_an_exchange(spark, tmp_path):
+    """`one_task` with `few_targets` (a small run, few live messages): the
+    task ranking the OPs joins them with the targets too, none sent to every
+    task first (a Spark job of its own) nor shuffled. The same outcomes."""
+    ops, targets = _mixed_ops(spark)
+    # read from files, as a run's inputs: Spark knows their size (small)
+    ops.repartition(3).write.parquet(str(tmp_path / "ops"))  # a message's OPs in several
+    targets.write.parquet(str(tmp_path / "targets"))
+    ops, targets = (spark.read.parquet(str(tmp_path / name)) for name in ("ops", "targets"))
+    broadcast = T.classify_ops(ops, targets, one_task=True)
+    joined_in_task = T.classify_ops(ops, targets, one_task=True, few_targets=True)
+    assert_df_equality(joined_in_task, broadcast, ignore_row_order=True, ignore_nullable=True)
+
+    def plan(df) -> str:
+        return df._jdf.queryExecution().executedPlan().toString()
+
+    assert "BroadcastExchange" in plan(broadcast)
+    with interpreted_if_small(spark, 1):  # a small run's settings
+        assert "Exchange" not in plan(joined_in_task)
+
+
 def test_live_messages_are_classified_alike_without_ranking_admin_ops(spark):
     """`discards=False` (the run's first pass, against live messages only)
     must give every OP the outcome the full ranking gives it."""
@@ -530,7 +552,8 @@ def test_deliveries_dense_per_queue_in_commit_order_continuing_previous(spark, o
         "topic string, queue_id int, queue_offset long, half_offset long",
     )
     assert_df_equality(got, expected, ignore_row_order=True, ignore_nullable=True)
-    nxt = T.next_queues(queues, positions, r).select("topic", "queue_id", "next_queue_offset")
+    nxt = T.next_queues(queues, positions, r, one_task=one_task)
+    nxt = nxt.select("topic", "queue_id", "next_queue_offset")
     assert sorted(map(tuple, nxt.collect())) == [("ORDER", 0, 12), ("ORDER", 1, 1), ("PAY", 0, 1)]
 
 

@@ -24,15 +24,27 @@ def rows(path: str, *, sort: str = "half_offset") -> list[dict]:
     return sorted(DeltaTable(path).to_pyarrow_table().to_pylist(), key=lambda r: r[sort])
 
 
-@pytest.mark.parametrize("history", ["read near the OPs", "looked up by key"])
+@pytest.mark.parametrize(
+    "history", ["read near the OPs", "looked up by key", "read near, a big run's passes"]
+)
 def test_runs_resolve_deliver_check_and_discard_across_runs(spark, warehouse, monkeypatch, history):
     """OPs for messages no longer pending (late, an operator's) are judged
     by the history the same way whether a run reads it with the live
-    messages or, when that would read too much, looks it up afterwards."""
+    messages or, when that would read too much, looks it up afterwards.
+    And the same tables whether the run takes a small run's passes (one
+    task, the undecided messages decided with their bodies) or a big one's."""
     if history == "looked up by key":
         monkeypatch.setattr(pipeline, "HISTORY_NEAR_MAX_ROWS", -1)
     else:
         monkeypatch.setattr(pipeline, "_with_history", lambda *a: pytest.fail("a second pass"))
+    if history == "read near, a big run's passes":
+        monkeypatch.setattr("jobs.interpreted.INTERPRETED_MAX_ROWS", -1)  # not small
+        for threshold in (
+            "CLASSIFY_ONE_TASK_MAX_ROWS",
+            "POSITIONS_ONE_TASK_MAX_ROWS",
+            "UNDELIVERED_ONE_PASS_MAX_ROWS",
+        ):
+            monkeypatch.setattr(pipeline, threshold, -1)
     cfg = {"warehouse": warehouse, "check_max": 1, "reserved_hours": 1}
     h1, h2, h5 = (fx.half(store_ms=T0 - 1000) for _ in range(3))
     h4 = fx.half(store_ms=T0 - 10_000)

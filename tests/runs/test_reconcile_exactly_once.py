@@ -13,7 +13,7 @@ import time
 import pytest
 from deltalake import DeltaTable
 
-from jobs import driver_writes, faults
+from jobs import driver_writes, faults, pipeline
 from jobs.faults import FAULT_EXIT_CODE, InjectedFault
 from jobs.lease import LeaseHeld
 from jobs.reconcile import reconcile, recover
@@ -94,6 +94,9 @@ def write_path(request, monkeypatch) -> str:
     if request.param == "spark":
         monkeypatch.setattr(driver_writes, "NARROW_MAX_ROWS", -1)
         monkeypatch.setattr(driver_writes, "MESSAGE_MAX_ROWS", -1)
+        # and its passes: the undecided messages decided, then given their bodies
+        monkeypatch.setattr(pipeline, "UNDELIVERED_ONE_PASS_MAX_ROWS", -1)
+        monkeypatch.setattr("jobs.interpreted.INTERPRETED_MAX_ROWS", -1)
     return request.param
 
 
