@@ -835,9 +835,8 @@ def next_queues(
 ) -> DataFrame:
     """The QUEUES table after this run's deliveries (`queue_positions`, or
     just each queue's last one: only the maximum queue_offset counts).
-    `one_task`: both are few (a row per queue), computed by one task with no
-    exchange, where grouping and joining them otherwise take a Spark job
-    each (`with_bodies`)."""
+    `one_task`: both are few (a row per queue), grouped and joined by one
+    task (`_in_one_task`), where each otherwise takes a Spark job."""
     if one_task:
         positions = positions.coalesce(1)
     moved = select(
