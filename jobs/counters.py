@@ -42,6 +42,8 @@ _ROWS = "count(1)"
 
 
 _ids = count()
+#: the name of the struct column an observation's counters are fields of
+_STRUCT = "counters"
 
 
 class Counters:
@@ -59,7 +61,9 @@ class Counters:
         seen = Observation(f"{name}-{next(_ids)}")
         self._seen[name] = seen
         self._got.pop(name, None)
-        return df.observe(seen, *[F.expr(f"{sql} AS {c}") for c, sql in counters.items()])
+        # one struct of all the counters: a Column per counter is a few calls into the JVM each
+        fields = ", ".join(f"'{c}', {sql}" for c, sql in counters.items())
+        return df.observe(seen, F.expr(f"named_struct({fields}) AS {_STRUCT}"))
 
     def halves(self, half: DataFrame) -> DataFrame:
         """`half`, the new half rows `T.with_reject_reason`, counted (read,
@@ -135,7 +139,7 @@ class Counters:
         out: dict = {}
         for name, seen in self._seen.items():
             if name not in self._got:
-                self._got[name] = seen.get
+                self._got[name] = seen.get[_STRUCT].asDict()
             out.update(self._got[name])
         if "committed" in out and "plain" in out:
             out["committed"] += out["plain"]

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
+from jobs.jvm_calls import hint, select_expr
 from schemas import HALF, OP, TOPIC, TableSchema
 from schemas.spark import spark_type
 from schemas.tables import (
@@ -153,12 +154,12 @@ def select(df: DataFrame, *exprs: str) -> DataFrame:
     """`df.select(...)` of SQL text: column names and expressions (`"a + 1
     AS b"`). A name handed to `DataFrame.select` costs three calls into the
     JVM (PySpark builds a Column for it), and each `F` function as many;
-    text costs one per item, which a small run's driver feels
-    (docs/performance.md, "Fewer calls into the JVM per run").
+    text costs one call in all (`jobs.jvm_calls`), which a small run's driver
+    feels (docs/performance.md, "Fewer calls into the JVM per run").
 
     >>> select(df, "half_offset", "store_ms AS commit_ms")  # doctest: +SKIP
     """
-    return df.selectExpr(*[f"`{e}`" if _NAME.fullmatch(e) else e for e in exprs])
+    return select_expr(df, [f"`{e}`" if _NAME.fullmatch(e) else e for e in exprs])
 
 
 _NAME = re.compile(r"\w+")
@@ -182,7 +183,7 @@ def conform(df: DataFrame, table: TableSchema, *extra: str) -> DataFrame:
     ]
     if list(have) == names and all(not e.startswith("CAST") for e in exprs):
         return df
-    return df.selectExpr(*exprs, *[f"`{name}`" for name in extra])
+    return select_expr(df, [*exprs, *[f"`{name}`" for name in extra]])
 
 
 def sql_strings(values) -> str:
@@ -436,12 +437,12 @@ def history_targets(resolved: DataFrame, discarded: DataFrame) -> DataFrame:
     # the rows of one message agree on its identity; max() just picks it deterministically
     # a discarded message's delay is not kept: an operator's COMMIT of it
     # delivers it at once (docs/protocol.md §4.4)
-    return (
+    grouped = (
         res.unionByName(dis.drop("due_ms"))
         .groupBy("half_offset")
         .agg(*[F.expr(f"max({c}) AS {c}") for c in (*_IDENTITY[1:], "prior_action", "discarded")])
-        .selectExpr("*", "CAST(NULL AS BIGINT) AS due_ms")
     )
+    return select(grouped, "*", "CAST(NULL AS BIGINT) AS due_ms")
 
 
 def op_targets(live: DataFrame, history: DataFrame | None = None) -> DataFrame:
@@ -555,13 +556,15 @@ def classify_ops(
         admin_ranks = ("false AS _first_admin", "CAST(NULL AS STRING) AS _first_admin_action")
     # one partition, or the join's partitioning: no second shuffle either way
     together = ops.coalesce(1) if one_task else ops.repartition("half_offset")
-    ranked = together.selectExpr(
+    ranked = select(
+        together,
         "*",
         f"{_VALID_OP} AND row_number() OVER ({_OP_RANK}) = 1 AS _first",
         f"first(CASE WHEN {_VALID_OP} THEN action END) OVER {_UPTO_HERE} AS _first_action",
         *admin_ranks,
     )
-    t = targets.selectExpr(
+    t = select(
+        targets,
         "half_offset",
         "transaction_id AS _t_txn",
         "producer_group AS _t_group",
@@ -573,15 +576,13 @@ def classify_ops(
     )
     if one_task and few_targets:
         t = _in_one_task(t)
-    joined = (
-        ranked.join(t, "half_offset", "left")
-        .selectExpr("*", f"{_OP_INVALID} AS _invalid")
-        .selectExpr(
-            "*", f"_invalid IS NULL AND {_DISCARDED} AND source != '{Source.ADMIN}' AS _late"
-        )
+    joined = select(ranked.join(t, "half_offset", "left"), "*", f"{_OP_INVALID} AS _invalid")
+    joined = select(
+        joined, "*", f"_invalid IS NULL AND {_DISCARDED} AND source != '{Source.ADMIN}' AS _late"
     )
     kept = [f"`{c}`" for c in joined.columns if c not in _CLASSIFY_WORK]
-    return joined.selectExpr(
+    return select(
+        joined,
         *kept,
         "coalesce(_invalid, CASE WHEN _late THEN 'message discarded' END) AS reason",
         f"{_OP_OUTCOME} AS outcome",
@@ -820,7 +821,7 @@ def _in_one_task(side: DataFrame) -> DataFrame:
     `jobs.interpreted`'s settings, under which a small run runs), and Spark
     would otherwise send a small side to every task first (a Spark job of
     its own)."""
-    return side.coalesce(1).hint("shuffle_hash")
+    return hint(side.coalesce(1), "shuffle_hash")
 
 
 def deliveries(settled: DataFrame, rules: Rules) -> DataFrame:
