@@ -32,6 +32,8 @@ def _where(cond: str) -> str:
     return f"coalesce(sum(CASE WHEN {cond} THEN 1 ELSE 0 END), 0)"
 
 
+#: SQL: the bytes of the rows' bodies
+_BODY_BYTES = "coalesce(sum(length(body)), 0)"
 _NO_CANCEL = f"action != '{CANCEL}'"
 #: SQL: a classified OP names a delayed message and was stored before its due time
 _DELAYED = "coalesce(due_ms > store_ms, false)"
@@ -65,20 +67,29 @@ class Counters:
         fields = ", ".join(f"'{c}', {sql}" for c, sql in counters.items())
         return df.observe(seen, F.expr(f"named_struct({fields}) AS {_STRUCT}"))
 
-    def halves(self, half: DataFrame) -> DataFrame:
+    def halves(self, half: DataFrame, bodies: bool = False) -> DataFrame:
         """`half`, the new half rows `T.with_reject_reason`, counted (read,
         set aside as rejected, and plain messages accepted: each committed
-        by its store)."""
+        by its store). `bodies`: their bodies' bytes too (`_half_body_bytes`),
+        which makes the pass read the bodies."""
         return self._observe(
             "half",
             half,
             half_read=_ROWS,
             rejected_halves=_where(f"{T.REJECT_REASON} IS NOT NULL"),
             plain=_where(f"{T.REJECT_REASON} IS NULL AND {T.IS_PLAIN}"),
+            **({"_half_body_bytes": _BODY_BYTES} if bodies else {}),
         )
 
-    def pending(self, pending_prev: DataFrame) -> DataFrame:
-        return self._observe("pending", pending_prev, pending_before=_ROWS)
+    def pending(self, pending_prev: DataFrame, bodies: bool = False) -> DataFrame:
+        """`pending_prev` counted; `bodies`: their bodies' bytes too
+        (`_pending_body_bytes`)."""
+        return self._observe(
+            "pending",
+            pending_prev,
+            pending_before=_ROWS,
+            **({"_pending_body_bytes": _BODY_BYTES} if bodies else {}),
+        )
 
     def ops(self, classified: DataFrame, rules: T.Rules) -> DataFrame:
         """`classified` (`T.classify_ops`), counted by outcome. Called again
@@ -130,7 +141,7 @@ class Counters:
     def bodies(self, rows: DataFrame) -> DataFrame:
         """`rows` (messages with their bodies), with the bytes of their bodies
         counted (`_body_bytes`): what collecting them would hold."""
-        return self._observe("bodies", rows, _body_bytes="coalesce(sum(length(body)), 0)")
+        return self._observe("bodies", rows, _body_bytes=_BODY_BYTES)
 
     def values(self) -> dict:
         """Every counter observed so far; waits for the actions that compute them.

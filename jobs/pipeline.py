@@ -158,10 +158,13 @@ def compute(
     counted = Counters()
     checked = T.with_reject_reason(half)
     _, rejected_halves = T.split_halves(checked, rules)
-    accepted, _ = T.split_halves(counted.halves(checked), rules)
+    # a small run's bodies are counted in its first pass: a bound on what
+    # its deliveries carry, for the driver to collect them at once
+    bodies = small and writing
+    accepted, _ = T.split_halves(counted.halves(checked, bodies), rules)
     transactional, _ = T.split_kinds(accepted)
     live = held.checkpoint(
-        T.message_keys(T.live_messages(counted.pending(pending_prev), transactional, rules))
+        T.message_keys(T.live_messages(counted.pending(pending_prev, bodies), transactional, rules))
     )
     # the messages again, for the bodies of those decided, without the
     # observations (counted once) or the checks: a rejected half has no fate
@@ -198,7 +201,10 @@ def compute(
         ops, targets, discards=discards, one_task=few_ops, few_targets=small
     )
     classified = held.checkpoint(counted.ops(classified, rules))
+    # whether an operator's COMMIT may deliver a message of the discard table
+    from_history = discards
     if near is None:  # the history of the OPs that name no live message, if any, by key
+        from_history = counted.values()["_unknown_offset_ops"] > 0
         classified, discard_hist = _with_history(
             spark, wh, record, classified, held, counted, rules
         )
@@ -296,7 +302,13 @@ def compute(
             broadcast=c["committed"] <= BROADCAST_MAX_ROWS,
             one_task=small,
         )
-        start_deliveries(wh, T.deliveries(delivered, rules), delivered_by_topic, writes)
+        start_deliveries(
+            wh,
+            T.deliveries(delivered, rules),
+            delivered_by_topic,
+            writes,
+            body_bytes=_bodies_at_most(observed, from_history or n_due > 0),
+        )
     few_won = c["committed"] - c["plain"] + c["rolled_back"] <= BROADCAST_MAX_ROWS
     few_won = few_won and c["delivered_scheduled"] <= BROADCAST_MAX_ROWS
     undecided = T.remaining_pending(live, won_ops, broadcast=few_won, one_task=small)
@@ -351,6 +363,16 @@ def compute(
         delivered_by_topic=delivered_by_topic,
         undelivered_body_bytes=body_bytes,
     )
+
+
+def _bodies_at_most(observed: dict, beyond_the_counted: bool) -> int | None:
+    """The bytes of the bodies a run may deliver, when its first pass counted
+    those of the rows they come from (the new half rows and the pending set:
+    a small run), and none may come from elsewhere (`beyond_the_counted`:
+    the scheduled set, the discard table)."""
+    if beyond_the_counted or "_half_body_bytes" not in observed:
+        return None
+    return int(observed["_half_body_bytes"] + observed["_pending_body_bytes"])
 
 
 def _due_counts(due_keys) -> tuple[int, int, int]:

@@ -78,11 +78,14 @@ class RunWrites:
             raise next((e for e in errors if isinstance(e, (InjectedFault, LeaseLost))), errors[0])
 
 
-def start_deliveries(wh: str, delivered, topics: dict[str, int], writes: RunWrites) -> None:
+def start_deliveries(
+    wh: str, delivered, topics: dict[str, int], writes: RunWrites, body_bytes: int | None = None
+) -> None:
     """Start writing `delivered` (TOPIC rows with their `topic`) to the
     tables of `topics` (rows by topic) when `jobs.commits` can commit to
-    them all: rows the driver can hold however large their bodies,
-    collected once and committed to each table (`_put_collected_deliveries`);
+    them all: rows the driver can hold however large their bodies (or as
+    large as `body_bytes`, a bound the run counted), collected once and
+    committed to each table (`_put_collected_deliveries`);
     rows it can hold if their bodies are small, kept and their bodies
     counted first (`_put_counted_deliveries`); more, written by one Spark
     job (`_put_deliveries`); else one write per topic (`_put_each_topic`)."""
@@ -93,7 +96,7 @@ def start_deliveries(wh: str, delivered, topics: dict[str, int], writes: RunWrit
     rows = sum(topics.values())
     if tables is None:
         writes.submit(_put_each_topic, delivered, paths)
-    elif writes.collects(rows, delivered.columns):
+    elif writes.collects(rows, delivered.columns, body_bytes):
         writes.submit(_put_collected_deliveries, delivered, tables)
     elif writes.collects(rows, delivered.columns, body_bytes=0):
         writes.submit(_put_counted_deliveries, delivered, tables, topics, writes)

@@ -193,9 +193,11 @@ def test_a_run_collects_its_pending_set_alone_by_the_bytes_of_its_bodies(
 
 def test_a_run_collects_its_deliveries_by_the_bytes_of_their_bodies(spark, warehouse, monkeypatch):
     """More deliveries than the driver could hold at the largest body size:
-    the run keeps them once, counting their bodies' bytes, collects them when
-    those bytes fit, and else has Spark write them from the kept rows; each
-    message is delivered once either way."""
+    a small run collects them at once when the bodies its first pass counted
+    (the new half rows' and the pending set's) fit; else it keeps them,
+    counting their bodies' bytes, collects them when those fit, and else has
+    Spark write them from the kept rows; each message is delivered once
+    whichever way."""
     from jobs import writes
     from jobs.reconcile import reconcile
 
@@ -213,6 +215,7 @@ def test_a_run_collects_its_deliveries_by_the_bytes_of_their_bodies(spark, wareh
         monkeypatch.setattr(writes, name, put)
 
     spy("_put_collected_deliveries")
+    spy("_put_counted_deliveries")
     spy("_put_deliveries")
     now = 1_800_000_000_000
 
@@ -229,9 +232,14 @@ def test_a_run_collects_its_deliveries_by_the_bytes_of_their_bodies(spark, wareh
 
     # room for 2 bodies of the largest size, and for these 3 of 10 bytes
     assert deliver(range(3), 2 * (4 << 20)) == 3
-    assert taken == ["_put_collected_deliveries"]
+    assert taken == ["_put_collected_deliveries"]  # counted in the first pass: no count of its own
     assert deliver(range(3, 6), 29) == 3  # 30 bytes of bodies: too many
-    assert taken == ["_put_deliveries"]
+    assert taken == ["_put_counted_deliveries", "_put_deliveries"]
+    # a message left pending with a body of 100 bytes: counted in the bound,
+    # so the deliveries are counted themselves, and their 30 bytes fit
+    fx.write_halves(warehouse, fx.half(1_000, store_ms=now - 10, topic="PAY", body=b"p" * 100))
+    assert deliver(range(6, 9), 50) == 3
+    assert taken == ["_put_counted_deliveries", "_put_collected_deliveries"]
     delivered = {
         topic: sorted(
             (r.queue_offset, r.msg_id)
@@ -240,6 +248,6 @@ def test_a_run_collects_its_deliveries_by_the_bytes_of_their_bodies(spark, wareh
         for topic in ("ORDER", "PAY")
     }
     assert delivered == {
-        "ORDER": [(0, "msg-0"), (1, "msg-2"), (2, "msg-4")],
-        "PAY": [(0, "msg-1"), (1, "msg-3"), (2, "msg-5")],
+        "ORDER": [(0, "msg-0"), (1, "msg-2"), (2, "msg-4"), (3, "msg-6"), (4, "msg-8")],
+        "PAY": [(0, "msg-1"), (1, "msg-3"), (2, "msg-5"), (3, "msg-7")],
     }
