@@ -1,11 +1,9 @@
 """Lists of SQL text handed to the JVM in one call, or none.
 
-py4j sends a Python list to the JVM one element per call, and each call is a
-round trip of 0.1-0.5 ms on two busy cores: `DataFrame.selectExpr` of 16 items
-made 20 of them, 8 ms where the one call here and its analysis take 2-3 ms. A
-small run selects some forty times, mostly the same lists run after run, so
-those are kept in the JVM (docs/performance.md, "A select in one call into
-the JVM").
+py4j sends a Python list to the JVM one element per call, each a round trip,
+and a small run's driver spends more time in those than in analysing its
+selects; the lists, mostly the same run after run, are kept in the JVM
+(docs/performance.md, "A select in one call into the JVM").
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from pyspark.sql import DataFrame
 
 # Never in a column name or in the SQL text the job writes (checked).
 _SEPARATOR = "\u0001"
-#: lists kept as Java arrays; a run makes about fifty, most of them the last run's
+#: lists kept as Java arrays (a small run makes a few dozen)
 KEPT_ARRAYS = 512
 
 
