@@ -251,3 +251,35 @@ def test_a_run_collects_its_deliveries_by_the_bytes_of_their_bodies(spark, wareh
         "ORDER": [(0, "msg-0"), (1, "msg-2"), (2, "msg-4"), (3, "msg-6"), (4, "msg-8")],
         "PAY": [(0, "msg-1"), (1, "msg-3"), (2, "msg-5"), (3, "msg-7")],
     }
+
+
+def test_a_run_delivering_a_due_scheduled_message_counts_its_deliveries_first(
+    spark, warehouse, monkeypatch
+):
+    """The bodies a small run's first pass counts are the new half rows' and
+    the pending set's; a scheduled message due now comes from elsewhere, so
+    that count is no bound, and the deliveries are counted before the driver
+    may collect them."""
+    from jobs import writes
+    from jobs.reconcile import reconcile
+    from txn_core import Broker, Config, Message, Producer
+
+    taken = []
+    for name in ("_put_collected_deliveries", "_put_counted_deliveries", "_put_deliveries"):
+        real = getattr(writes, name)
+        monkeypatch.setattr(
+            writes, name, lambda *args, _n=name, _r=real: (taken.append(_n), _r(*args))[1]
+        )
+    now = 1_800_000_000_000
+    cfg = {"warehouse": warehouse, "max_body_bytes": 4 << 20}
+    with Broker.open(Config(warehouse=warehouse), clock=lambda: now) as broker:
+        Producer(broker, "g").send(Message(topic="ORDER", body=b"d" * 1_000, delay_ms=1_000))
+    assert reconcile(spark, cfg, now_ms=now).scheduled == 1
+    with Broker.open(Config(warehouse=warehouse), clock=lambda: now + 1_000) as broker:
+        Producer(broker, "g").send(Message(topic="ORDER", body=b"n" * 10))
+    # room for the new message's 10 bytes, not for the due one's 1,000
+    monkeypatch.setattr(driver_writes, "BODY_BYTES_MAX", 500)
+    taken.clear()
+    run = reconcile(spark, cfg, now_ms=now + 1_000)
+    assert (run.delivered_scheduled, run.committed) == (1, 2)
+    assert taken == ["_put_counted_deliveries", "_put_deliveries"]
