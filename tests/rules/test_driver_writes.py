@@ -283,3 +283,55 @@ def test_a_run_delivering_a_due_scheduled_message_counts_its_deliveries_first(
     run = reconcile(spark, cfg, now_ms=now + 1_000)
     assert (run.delivered_scheduled, run.committed) == (1, 2)
     assert taken == ["_put_counted_deliveries", "_put_deliveries"]
+
+
+def test_a_run_commits_to_its_topics_all_at_once(spark, warehouse, monkeypatch):
+    """Each topic's commit is a few round trips to the store: a run makes
+    them at once, not one after another (each waits here until the other
+    has started; one after another, the first would wait in vain)."""
+    import threading
+
+    from jobs.reconcile import reconcile
+
+    import factories as fx
+
+    both_started = threading.Barrier(2, timeout=30)
+    real = driver_writes.write
+
+    def write(rows, table, mode, user_metadata):
+        if "/topics/" in table.table_uri:
+            both_started.wait()
+        return real(rows, table, mode, user_metadata)
+
+    monkeypatch.setattr(driver_writes, "write", write)
+    now = 1_800_000_000_000
+    halves = [fx.half(i, store_ms=now - 10, topic=("ORDER", "PAY")[i % 2]) for i in range(4)]
+    fx.write_halves(warehouse, *halves)
+    fx.write_ops(warehouse, *[fx.op(h) for h in halves])
+    assert reconcile(spark, {"warehouse": warehouse}, now_ms=now).delivered_by_topic == {
+        "ORDER": 2,
+        "PAY": 2,
+    }
+
+
+def test_commits_to_several_topics_are_all_tried_and_a_crash_is_raised_first():
+    """A failed commit leaves the others to finish (a redo skips those, I4);
+    the error raised is the injected crash or lost lease, which says why the
+    run stopped, before any other."""
+    from jobs.faults import InjectedFault
+    from jobs.writes import _each_topic
+
+    tried = []
+
+    def commit(topic: str) -> None:
+        tried.append(topic)
+        if topic == "A":
+            raise ValueError("store refused")
+        if topic == "C":
+            raise InjectedFault("fault injected at step 'after:topics/C'")
+
+    with pytest.raises(InjectedFault):
+        _each_topic(commit, {"A": None, "B": None, "C": None, "D": None})
+    assert sorted(tried) == ["A", "B", "C", "D"]
+    with pytest.raises(ValueError, match="store refused"):
+        _each_topic(commit, {"A": None, "B": None})
