@@ -17,6 +17,8 @@ from jobs.lease import Lease, LeaseLost
 
 #: output tables written at once (independent writes; see RunWrites)
 PARALLEL_WRITES = 4
+#: topic tables one delivery commits to at once (`_each_topic`)
+TOPIC_COMMITS_AT_ONCE = 8
 
 
 class RunWrites:
@@ -75,8 +77,8 @@ class RunWrites:
             for f in self._started
             if (f.done() or not finished_only) and f.exception() is not None
         ]
-        if errors:  # a crash point or a lost lease first: they say why the run stopped
-            raise next((e for e in errors if isinstance(e, (InjectedFault, LeaseLost))), errors[0])
+        if errors:
+            raise _why_stopped(errors)
 
 
 def start_deliveries(
@@ -157,18 +159,26 @@ def _put_collected_deliveries(
 
 
 def _each_topic(commit: Callable[[str], None], topics: dict) -> None:
-    """`commit(topic)` for each of `topics`, all at once: each is a commit to
-    a table of its own, a few round trips to the store (on a local disk
-    ~15-45 ms, one after another the end of a small run's deliveries).
-    Every commit is tried; the first error is raised once all are done."""
+    """`commit(topic)` for each of `topics`, several at once
+    (`TOPIC_COMMITS_AT_ONCE`): each is a commit to a table of its own, a few
+    round trips to the store, which one after another ended a small run's
+    deliveries (docs/performance.md). Every commit is tried; once all are
+    done, the error that says why the run stopped is raised, if any."""
     if len(topics) == 1:
         commit(next(iter(topics)))
         return
-    with ThreadPoolExecutor(len(topics), thread_name_prefix="commit") as pool:
+    at_once = min(len(topics), TOPIC_COMMITS_AT_ONCE)
+    with ThreadPoolExecutor(at_once, thread_name_prefix="commit") as pool:
         done = [pool.submit(commit, topic) for topic in sorted(topics)]
     errors = [f.exception() for f in done if f.exception() is not None]
-    if errors:  # a crash point or a lost lease first: they say why the run stopped
-        raise next((e for e in errors if isinstance(e, (InjectedFault, LeaseLost))), errors[0])
+    if errors:
+        raise _why_stopped(errors)
+
+
+def _why_stopped(errors: list) -> BaseException:
+    """The error to raise of several: a crash point or a lost lease first,
+    which say why the run stopped."""
+    return next((e for e in errors if isinstance(e, (InjectedFault, LeaseLost))), errors[0])
 
 
 def _put_counted_deliveries(
