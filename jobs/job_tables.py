@@ -12,6 +12,7 @@ from schemas.tables import (
     CANCELLED,
     CHECK_REQUESTS,
     DISCARD,
+    LEASE,
     PENDING,
     QUEUES,
     REJECTED,
@@ -108,7 +109,11 @@ def create_table(path: str, table: TableSchema) -> None:
 
 
 def table_properties(table: TableSchema) -> dict[str, str]:
+    from txn_core.tables import EVERY_RUN_TABLE_CONFIG
+
     props = dict(CDF_PROPERTIES)
+    if table == RUNS:
+        props.update(EVERY_RUN_TABLE_CONFIG)
     if table.path in STATS_COLUMNS:
         props["delta.dataSkippingNumIndexedCols"] = str(STATS_COLUMNS[table.path])
     return props
@@ -193,6 +198,29 @@ def upkeep_due(run_number: int) -> list[str]:
     """
     every, chores = COMPACT_EVERY_RUNS, UPKEEP_CHORES
     return [c for i, c in enumerate(chores) if run_number % every == i * every // len(chores)]
+
+
+def vacuum_every_run_tables(warehouse: str, lease) -> dict[str, int]:
+    """The files `_sys/lease` and `_sys/runs` no longer reference deleted
+    (`txn_core.tables.vacuum_every_run_table`), the lease's under its renewal
+    lock (`Lease.vacuum`); files deleted per table. A failure is logged and
+    left to the next round, as the compaction's."""
+    from deltalake import DeltaTable as RsTable
+
+    from txn_core.tables import vacuum_every_run_table
+
+    deleted = {}
+    try:
+        deleted[LEASE.path] = lease.vacuum()
+        path = table_path(warehouse, RUNS)
+        deleted[RUNS.path] = vacuum_every_run_table(
+            RsTable(path, storage_options=options_for(path))
+        )
+    except Exception as exc:  # noqa: BLE001 - housekeeping must not fail a finished run
+        log.warning(
+            "vacuuming the lease and the run records failed (%s); the next round retries", exc
+        )
+    return deleted
 
 
 def compact_job_tables(

@@ -30,8 +30,9 @@ from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundErr
 from schemas import LEASE, table_path
 from schemas.arrow import arrow_schema
 from txn_core import kept_tables
+from txn_core.log_trim import checkpoint_and_trim
 from txn_core.storage import options_for
-from txn_core.tables import checkpoint_if_due, lease_table
+from txn_core.tables import EVERY_RUN_RETENTION_HOURS, lease_table, vacuum_every_run_table
 
 EXIT_LEASE_HELD = 75
 
@@ -121,7 +122,7 @@ class Lease:
         write_deltalake(
             table, data, mode="overwrite", commit_properties=CommitProperties(max_commit_retries=0)
         )
-        checkpoint_if_due(table)
+        checkpoint_and_trim(table)
 
     def acquire(self) -> Lease:
         with self._read() as (table, row):
@@ -212,6 +213,13 @@ class Lease:
                 self._write(table, "RELEASE", self._now_ms())
             except (CommitFailedError, DeltaError):
                 pass  # someone else moved on; an unreleased lease only expires later
+
+    def vacuum(self, retention_hours: int = EVERY_RUN_RETENTION_HOURS) -> int:
+        """`vacuum_every_run_table` of the lease table, under the renewal
+        lock: a renewal committed at the same moment as the vacuum's commits
+        would fail, as a lost lease. Returns how many files were deleted."""
+        with self._renewing, self._read() as (table, _):
+            return vacuum_every_run_table(table, retention_hours)
 
     def current(self) -> LeaseRow | None:
         with self._read() as (_, row):

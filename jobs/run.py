@@ -27,7 +27,7 @@ from jobs.lease import Lease
 from jobs.pipeline import Outputs, compute, write_outputs
 from jobs.session import use_warehouse
 from jobs.writes import RunWrites
-from schemas import HALF, table_path
+from schemas import HALF, RUNS, table_path
 from txn_core.config import Config, ConfigError, as_config
 from txn_core.vocabulary import RunStatus
 
@@ -170,6 +170,10 @@ def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSumm
             scheduled.upkeep(wh, summary.watermark_ms)
         tables = tuple(t for t in job_tables.APPEND_ONLY_TABLES if t.path in chores)
         job_tables.compact_job_tables(wh, tables)
+        if (
+            RUNS.path in chores
+        ):  # the run records' compaction leaves files behind, as the lease does
+            job_tables.vacuum_every_run_tables(wh, lease)
     return summary
 
 

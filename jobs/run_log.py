@@ -94,7 +94,7 @@ def write_run_record(warehouse: str, record: RunRecord) -> None:
     from deltalake import CommitProperties, write_deltalake
 
     from txn_core import kept_tables
-    from txn_core.tables import checkpoint_if_due
+    from txn_core.log_trim import checkpoint_and_trim
 
     row = pa.Table.from_pylist([record.to_row()], schema=arrow_schema(RUNS))
     tag = run_tag(record.run_number, f"{RUNS.path}:{record.status}")
@@ -106,7 +106,7 @@ def write_run_record(warehouse: str, record: RunRecord) -> None:
         mode="append",
         commit_properties=CommitProperties(custom_metadata={"userMetadata": tag}),
     )
-    checkpoint_if_due(table)
+    checkpoint_and_trim(table)
     kept_tables.give_back(table)
 
 

@@ -9,17 +9,29 @@ started from (`_sys/runs`; an unfinished run is redone from there). So the
 producers trim up to the newest checkpoint at or before that cursor (the job
 can always read on, any reader can rebuild the table from that checkpoint),
 and nothing until the job has run once: its first run reads from version 0.
+
+The job's own tables written at every run, idle or not (`_sys/lease`,
+`_sys/runs`), have no reader of their history at all: their logs are trimmed
+to their last hundred or so entries (`checkpoint_and_trim`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 from deltalake import DeltaTable
 
 from schemas import HALF, OP, TableSchema
 from txn_core.delta_log import LOG_DIR, checkpoint_versions, entry_name, is_log_file, local_dir
-from txn_core.tables import latest_run_rows
+from txn_core.tables import SMALL_TABLE_CHECKPOINT_EVERY, checkpoint_if_due, latest_run_rows
+
+log = logging.getLogger(__name__)
+
+#: log entries `checkpoint_and_trim` keeps behind a table's newest commit: a
+#: reader that listed the log loses the checkpoint it reads from only if that
+#: many commits are made before it reads it
+KEPT_ENTRIES = 100
 
 #: the `_sys/runs` column with the version after which a run reads each table
 _CURSOR = {HALF.path: "prev_half_version", OP.path: "prev_op_version"}
@@ -72,3 +84,30 @@ def trimmed_past(table: DeltaTable) -> bool:
     if root is None:
         return False
     return not os.path.exists(os.path.join(root, LOG_DIR, entry_name(table.version())))
+
+
+def checkpoint_and_trim(table: DeltaTable, kept: int | None = None) -> int:
+    """After a commit through `table` to a table the job writes at every run
+    (`_sys/lease`, `_sys/runs`): `checkpoint_if_due`, and once a checkpoint
+    is made, the log trimmed to the newest checkpoint at least `kept`
+    versions back (`KEPT_ENTRIES`; `trim_log`: a local disk only). Nothing
+    reads those tables' history, and a few entries a run made every commit,
+    and so every idle run of a continuous job, slower by the hour
+    (docs/performance.md). A handle whose own version was trimmed cannot
+    commit (delta-rs refuses it), so no commit can reuse a trimmed version.
+
+    Returns the entries removed; a failed trim is only logged, the next
+    checkpoint trims again.
+
+    >>> checkpoint_and_trim(lease_table)   # doctest: +SKIP
+    0
+    """
+    version = table.version()
+    if version % SMALL_TABLE_CHECKPOINT_EVERY:
+        return 0
+    checkpoint_if_due(table)
+    try:
+        return trim_log(table, version - (KEPT_ENTRIES if kept is None else kept))
+    except OSError as exc:
+        log.warning("trimming the log of %s failed (%s)", table.table_uri, exc)
+        return 0

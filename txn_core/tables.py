@@ -47,6 +47,15 @@ log = logging.getLogger(__name__)
 #: checkpoint every this many commits keeps every read short
 SMALL_TABLE_CHECKPOINT_EVERY = 10
 
+#: `_sys/lease` and `_sys/runs` take commits at every run, idle or not, and
+#: nothing reads their history: what a later commit replaced (its file, its
+#: tombstone in their checkpoints) is kept this long, not Delta's week, in
+#: which their checkpoints grew by a few rows a run (`vacuum_every_run_table`)
+EVERY_RUN_RETENTION_HOURS = 1
+EVERY_RUN_TABLE_CONFIG = {
+    "delta.deletedFileRetentionDuration": f"interval {EVERY_RUN_RETENTION_HOURS} hours"
+}
+
 _CREATE_ONCE = CommitProperties(max_commit_retries=0)
 # A column addition is rebased over the producers' concurrent appends.
 _ALTER = CommitProperties(max_commit_retries=1000)
@@ -183,9 +192,34 @@ def lease_table(warehouse: str, storage_options: dict[str, str] | None = None) -
     return open_or_create(
         warehouse,
         LEASE,
-        configuration={"delta.checkpointInterval": "50"},
+        configuration={"delta.checkpointInterval": "50", **EVERY_RUN_TABLE_CONFIG},
         storage_options=storage_options,
     )
+
+
+def vacuum_every_run_table(
+    table: DeltaTable, retention_hours: int = EVERY_RUN_RETENTION_HOURS
+) -> int:
+    """Delete the files of `_sys/lease` or `_sys/runs` (`table`, up to date)
+    that its log no longer references and that are older than
+    `retention_hours`: each lease change leaves one, and so does each run
+    record once compacted. A table made by an earlier release gets
+    `EVERY_RUN_TABLE_CONFIG` first. Both are commits to the table (a vacuum
+    logs its start and its end). Returns how many files were deleted.
+
+    >>> vacuum_every_run_table(DeltaTable("/wh/_sys/runs"))   # doctest: +SKIP
+    96
+    """
+    configured = table.metadata().configuration
+    if any(configured.get(key) != value for key, value in EVERY_RUN_TABLE_CONFIG.items()):
+        table.alter.set_table_properties(EVERY_RUN_TABLE_CONFIG)
+    deleted = table.vacuum(
+        retention_hours=retention_hours,
+        enforce_retention_duration=False,
+        full=True,  # files whose tombstones have left the checkpoints too
+        dry_run=False,
+    )
+    return len(deleted)
 
 
 def latest_run_rows(

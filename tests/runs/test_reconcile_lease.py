@@ -11,13 +11,18 @@ import time
 
 import pytest
 from deltalake import DeltaTable
-from deltalake.exceptions import CommitFailedError
+from deltalake.exceptions import CommitFailedError, DeltaError
 
 from jobs import job_tables, run_log
 from jobs.lease import Lease, LeaseHeld, LeaseLost
 from jobs.reconcile import main, reconcile
 from schemas import HALF, LEASE, RUNS, table_path
-from txn_core.tables import SMALL_TABLE_CHECKPOINT_EVERY
+from txn_core import log_trim
+from txn_core.tables import (
+    EVERY_RUN_TABLE_CONFIG,
+    SMALL_TABLE_CHECKPOINT_EVERY,
+    vacuum_every_run_table,
+)
 
 import factories as fx
 
@@ -220,3 +225,100 @@ def test_the_lease_and_run_logs_are_checkpointed_every_ten_commits(warehouse):
     assert _newest_checkpoint(runs) == every
     last = run_log.last_run(warehouse)
     assert (last.run_number, last.status) == (every // 2, "COMMITTED")
+
+
+def _logged_versions(table: str) -> list[int]:
+    """The versions whose commits a local table's log still holds."""
+    names = os.listdir(os.path.join(table, "_delta_log"))
+    return sorted(int(n.split(".")[0]) for n in names if n.endswith(".json") and n[0].isdigit())
+
+
+def _data_files(table: str) -> int:
+    return sum(n.endswith(".parquet") for n in os.listdir(table))
+
+
+def test_the_lease_and_run_logs_keep_their_last_entries_only(warehouse, monkeypatch):
+    """Both take commits at every run, idle or not: kept whole, their logs
+    made every commit, and every idle run of a continuous job, slower by the
+    hour (delta-rs lists a local log whole; docs/performance.md)."""
+    monkeypatch.setattr(log_trim, "KEPT_ENTRIES", 20)
+    for _ in range(40):  # the creation, then two commits each
+        Lease(warehouse, ttl_s=60).acquire().release()
+    lease = table_path(warehouse, LEASE)
+    # at version 80: trimmed to the newest checkpoint at least 20 versions back
+    assert _logged_versions(lease) == list(range(60, 81))
+    held = Lease(warehouse, ttl_s=60).acquire()
+    with pytest.raises(LeaseHeld, match=held.holder):
+        Lease(warehouse, ttl_s=60).acquire()
+
+    job_tables.ensure_job_tables(warehouse)
+    runs = table_path(warehouse, RUNS)
+    for number in range(1, 21):
+        run_log.write_run_record(warehouse, _run_record(number, "STARTED"))
+        run_log.write_run_record(warehouse, _run_record(number, "COMMITTED"))
+    assert _logged_versions(runs) == list(range(20, 41))
+    assert DeltaTable(runs).to_pyarrow_table().num_rows == 40
+    last = run_log.last_run(warehouse)
+    assert (last.run_number, last.status) == (20, "COMMITTED")
+
+
+def test_no_commit_can_take_a_version_the_trimmed_log_no_longer_holds(warehouse, monkeypatch):
+    """What makes trimming safe: a commit is a put-if-absent of the next
+    version's entry, which would succeed where that entry was trimmed; but
+    delta-rs refuses to commit from a handle whose version is gone."""
+    monkeypatch.setattr(log_trim, "KEPT_ENTRIES", 10)
+    Lease(warehouse, ttl_s=60).acquire().release()
+    lease = table_path(warehouse, LEASE)
+    stale = DeltaTable(lease)  # version 2, as a process paused long enough would hold it
+    for _ in range(15):
+        Lease(warehouse, ttl_s=60).acquire().release()
+    assert _logged_versions(lease)[0] > stale.version() + 1
+    last = Lease(warehouse, ttl_s=60).current()
+    with pytest.raises(DeltaError):
+        Lease(warehouse, ttl_s=60)._write(stale, "ACQUIRE", 2**62)
+    assert Lease(warehouse, ttl_s=60).current() == last
+
+
+def test_the_files_the_lease_and_run_records_leave_are_deleted(warehouse):
+    for _ in range(5):  # a file each commit, one of them live
+        Lease(warehouse, ttl_s=60).acquire().release()
+    job_tables.ensure_job_tables(warehouse)
+    runs = table_path(warehouse, RUNS)
+    for number in range(1, 6):
+        run_log.write_run_record(warehouse, _run_record(number, "COMMITTED"))
+    assert job_tables.compact_job_tables(warehouse, (RUNS,)) == {RUNS.path: 5}
+    # a table made by an earlier release, with Delta's week
+    DeltaTable(runs).alter.set_table_properties(
+        {"delta.deletedFileRetentionDuration": "interval 7 days"}
+    )
+    held = Lease(warehouse, ttl_s=60).acquire()
+    # what was replaced within the hour is kept
+    assert job_tables.vacuum_every_run_tables(warehouse, held) == {LEASE.path: 0, RUNS.path: 0}
+    assert DeltaTable(runs).metadata().configuration == {
+        **job_tables.table_properties(RUNS),
+        **EVERY_RUN_TABLE_CONFIG,
+    }
+    assert held.vacuum(retention_hours=0) == 10
+    assert vacuum_every_run_table(DeltaTable(runs), retention_hours=0) == 5
+    assert _data_files(table_path(warehouse, LEASE)) == 1 and _data_files(runs) == 1
+    assert held.current().holder == held.holder
+    held.keep_alive()
+    assert sorted(r["run_number"] for r in DeltaTable(runs).to_pyarrow_table().to_pylist()) == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
+
+
+def test_the_run_records_upkeep_vacuums_the_lease_and_the_run_records(
+    spark, warehouse, monkeypatch
+):
+    vacuumed = []
+    monkeypatch.setattr(job_tables, "upkeep_due", lambda number: [RUNS.path])
+    monkeypatch.setattr(
+        job_tables, "vacuum_every_run_tables", lambda wh, lease: vacuumed.append((wh, lease.held))
+    )
+    reconcile(spark, {"warehouse": warehouse}, now_ms=1_000)
+    assert vacuumed == [(warehouse, True)]
