@@ -6,9 +6,12 @@ delta-rs in one batch, every one committed), so the runs alternate between
 a run over N new messages and an idle one. Printed: each run's wall time
 (the `reconcile` call, lease renewal and run records included), and the
 medians of both kinds after the first `--warm-up` runs (the JVM compiles
-Spark's hot code during the first runs of a session).
+Spark's hot code during the first runs of a session), and the busy runs'
+median by blocks of `--block` runs, which shows how far into a session
+the runs keep getting faster.
 
     python scripts/bench_continuous.py --new 1000 --runs 24
+    python scripts/bench_continuous.py --new 2000 --runs 400 --warm-up 300 --block 50
 """
 
 from __future__ import annotations
@@ -33,7 +36,10 @@ def main(argv=None) -> None:
     p.add_argument("--warm-up", type=int, default=8, help="first runs left out of the medians")
     p.add_argument("--every", type=float, default=0.2, help="the cadence, seconds")
     p.add_argument("--body-bytes", type=int, default=100)
+    p.add_argument("--block", type=int, default=20, help="runs per block of the by-block medians")
     args = p.parse_args(argv)
+    if args.block < 2:
+        p.error(f"--block must be at least 2 (a block holds busy and idle runs), got {args.block}")
 
     import jobs.continuous as continuous
     from jobs.session import build_spark
@@ -90,6 +96,14 @@ def main(argv=None) -> None:
         print(f"run over {args.new:,} new messages: {median(busy) * 1000:7.0f} ms")
     if idle:
         print(f"idle run                    : {median(idle) * 1000:7.0f} ms")
+    print(f"runs over {args.new:,} new messages, median by blocks of {args.block} runs:")
+    for start in range(0, len(runs), args.block):
+        block = [w for _, _, i, w in runs[start : start + args.block] if not i]
+        if block:
+            print(
+                f"  runs {start + 1:4d}-{start + len(runs[start : start + args.block]):4d}: "
+                f"{median(block) * 1000:7.0f} ms"
+            )
 
 
 def _now() -> int:
