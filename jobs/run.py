@@ -170,9 +170,8 @@ def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSumm
             scheduled.upkeep(wh, summary.watermark_ms)
         tables = tuple(t for t in job_tables.APPEND_ONLY_TABLES if t.path in chores)
         job_tables.compact_job_tables(wh, tables)
-        if (
-            RUNS.path in chores
-        ):  # the run records' compaction leaves files behind, as the lease does
+        # the run records' compaction leaves files behind, as the lease's changes do
+        if RUNS.path in chores:
             job_tables.vacuum_every_run_tables(wh, lease)
     return summary
 

@@ -199,6 +199,26 @@ def test_a_second_run_on_s3_exits_75_while_the_lease_is_held(s3):
     assert "holds the job's lease" in done.stderr and done.stdout == ""
 
 
+def test_the_lease_and_the_run_records_are_vacuumed_on_s3(s3):
+    """`full` vacuums list the table's prefix on the store; the lease's,
+    under its renewal lock, leaves the lease held."""
+    from jobs import job_tables
+    from jobs.lease import Lease
+    from schemas import LEASE
+
+    cfg = load_config(env={}, **s3.config())
+    warehouse = use(Storage.from_config(cfg)).warehouse
+    for _ in range(3):
+        Lease(warehouse, 60).acquire().release()
+    job_tables.ensure_job_tables(warehouse)
+    held = Lease(warehouse, 60).acquire()
+    assert job_tables.vacuum_every_run_tables(warehouse, held) == {LEASE.path: 0, RUNS.path: 0}
+    assert held.vacuum(retention_hours=0) == 6  # one file a change, the last one live
+    assert held.current().holder == held.holder
+    held.release()
+    assert Lease(warehouse, 60).acquire().current().action == "ACQUIRE"
+
+
 # --- the job's reads ---------------------------------------------------------------------
 
 
