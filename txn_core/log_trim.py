@@ -86,11 +86,11 @@ def trimmed_past(table: DeltaTable) -> bool:
     return not os.path.exists(os.path.join(root, LOG_DIR, entry_name(table.version())))
 
 
-def checkpoint_and_trim(table: DeltaTable, kept: int | None = None) -> int:
+def checkpoint_and_trim(table: DeltaTable) -> int:
     """After a commit through `table` to a table the job writes at every run
     (`_sys/lease`, `_sys/runs`): `checkpoint_if_due`, and once a checkpoint
-    is made, the log trimmed to the newest checkpoint at least `kept`
-    versions back (`KEPT_ENTRIES`; `trim_log`: a local disk only). Nothing
+    is made, the log trimmed to the newest checkpoint at least
+    `KEPT_ENTRIES` versions back (`trim_log`: a local disk only). Nothing
     reads those tables' history, and a few entries a run made every commit,
     and so every idle run of a continuous job, slower by the hour
     (docs/performance.md). A handle whose own version was trimmed cannot
@@ -99,7 +99,7 @@ def checkpoint_and_trim(table: DeltaTable, kept: int | None = None) -> int:
     Returns the entries removed; a failed trim is only logged, the next
     checkpoint trims again.
 
-    >>> checkpoint_and_trim(lease_table)   # doctest: +SKIP
+    >>> checkpoint_and_trim(table)   # doctest: +SKIP
     0
     """
     version = table.version()
@@ -107,7 +107,7 @@ def checkpoint_and_trim(table: DeltaTable, kept: int | None = None) -> int:
         return 0
     checkpoint_if_due(table)
     try:
-        return trim_log(table, version - (KEPT_ENTRIES if kept is None else kept))
+        return trim_log(table, version - KEPT_ENTRIES)
     except OSError as exc:
         log.warning("trimming the log of %s failed (%s)", table.table_uri, exc)
         return 0
