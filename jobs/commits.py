@@ -24,9 +24,11 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
+from jobs import job_tables
 from schemas import DISTINCT_COLUMNS
 from txn_core import kept_tables
 from txn_core.delta_log import file_stats, local_path, reader_duties, writer_duties
+from txn_core.log_trim import trim_behind_newest
 from txn_core.storage import is_s3, object_key, options_for, registered
 
 #: where Spark writes a commit's files before they move into the table; a
@@ -330,10 +332,14 @@ def commit_options(user_metadata: str) -> dict:
 
 def after_commit(table) -> int:
     """The version the job's commit to `table` made, checkpointed as Delta's
-    writer would (`checkpoint_as_delta_does`)."""
+    writer would (`checkpoint_as_delta_does`); at each checkpoint of a state
+    table, its log trimmed to the last hundred or so entries
+    (`job_tables.keeps_short_log`)."""
     table.update_incremental()
     version: int = table.version()
-    checkpoint_as_delta_does(table, version, table.metadata().configuration)
+    checkpointed = checkpoint_as_delta_does(table, version, table.metadata().configuration)
+    if checkpointed and job_tables.keeps_short_log(table.table_uri):
+        trim_behind_newest(table)
     kept_tables.give_back(table)  # for the next run's commit
     return version
 
@@ -438,12 +444,14 @@ def _add(path: str, size: int, mtime_ms: int, stats: dict):
     return AddAction(path, size, {}, mtime_ms, True, json.dumps(stats))
 
 
-def checkpoint_as_delta_does(table, version: int, config: dict) -> None:
+def checkpoint_as_delta_does(table, version: int, config: dict) -> bool:
     """A checkpoint every `delta.checkpointInterval` commits (Delta's default,
     10), and the log entries past `delta.logRetentionDuration` dropped then,
     as Delta's writer does after its commits; Spark's readers then replay at
-    most that many commits."""
+    most that many commits. Returns whether it made one."""
     interval = int(config.get("delta.checkpointInterval", DEFAULT_CHECKPOINT_INTERVAL))
     if interval > 0 and version > 0 and version % interval == 0:
         table.create_checkpoint()
         table.cleanup_metadata()
+        return True
+    return False

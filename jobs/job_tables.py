@@ -20,6 +20,7 @@ from schemas.tables import (
     RUNS,
     SCHEDULED,
 )
+from txn_core.config import Config
 from txn_core.storage import options_for
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,22 @@ WHOLE_STATE_TABLES = (PENDING, QUEUES)
 APPEND_ONLY_TABLES = (RUNS, RESOLVED, CHECK_REQUESTS, DISCARD, REJECTED)
 
 
+#: job tables whose logs each commit's checkpoint trims (`keeps_short_log`); `_sys/runs`
+#: is trimmed by its own writer (`jobs.run_log`), as `_sys/lease` is
+SHORT_LOG_TABLES = (*STATE_TABLES, REJECTED, CHECK_REQUESTS)
+
+
+def keeps_short_log(uri: str) -> bool:
+    """Whether the table at `uri` is one of `SHORT_LOG_TABLES`. Nothing reads
+    their history beyond the versions the latest run pinned, a commit or two
+    back (a producer whose cursor in `_sys/check_requests`' change feed was
+    trimmed rescans the table), and a run commits to most of them at every
+    busy run: on a local disk a long log makes each of those commits and
+    reads slower (docs/performance.md, "A continuous job over hours")."""
+    end = uri.rstrip("/")
+    return any(end.endswith("/" + table.path) for table in SHORT_LOG_TABLES)
+
+
 #: how often each chore of the job's upkeep is done (`upkeep_due`)
 COMPACT_EVERY_RUNS = 100
 
@@ -70,8 +87,9 @@ COMPACT_EVERY_RUNS = 100
 COMPACT_TARGET_BYTES = 16 << 20
 
 #: the chores of the job's upkeep: the scheduled set's (`jobs.scheduled.upkeep`),
-#: then the compaction of each append-only table
-UPKEEP_CHORES = ("scheduled", *(table.path for table in APPEND_ONLY_TABLES))
+#: the compaction of each append-only table, then the topics' log retention
+#: (`keep_topic_log_retention`)
+UPKEEP_CHORES = ("scheduled", *(table.path for table in APPEND_ONLY_TABLES), "topics")
 
 #: the version of a table that does not exist yet
 NO_VERSION = -1
@@ -85,7 +103,7 @@ def is_delta(path: str) -> bool:
     return RsTable.is_deltatable(path, storage_options=options_for(path))
 
 
-def create_table(path: str, table: TableSchema) -> None:
+def create_table(path: str, table: TableSchema, properties: dict[str, str] | None = None) -> None:
     """Create an empty job table if missing. Every job table has the change data
     feed on (consumers and producers follow them with delta-rs) and no other
     table feature, so delta-rs can read them.
@@ -102,7 +120,7 @@ def create_table(path: str, table: TableSchema) -> None:
         path,
         arrow_schema(table),
         mode="ignore",
-        configuration=table_properties(table),
+        configuration=table_properties(table) if properties is None else properties,
         storage_options=options_for(path),
         commit_properties=CommitProperties(max_commit_retries=0),
     )
@@ -144,11 +162,56 @@ def ensure_job_tables(warehouse: str) -> None:
     create_table(table_path(warehouse, CANCELLED), CANCELLED)
 
 
-def ensure_topic_table(warehouse: str, topic: str) -> str:
+#: `topic_log_retention_hours`' default
+DEFAULT_TOPIC_LOG_RETENTION_HOURS: int = Config.topic_log_retention_hours
+
+
+def ensure_topic_table(
+    warehouse: str, topic: str, log_retention_hours: int = DEFAULT_TOPIC_LOG_RETENTION_HOURS
+) -> str:
+    """The topic's table, created if missing with its log kept
+    `log_retention_hours` (`topic_properties`)."""
     path = topic_path(warehouse, topic)
     if not is_delta(path):
-        create_table(path, TOPIC)
+        create_table(path, TOPIC, topic_properties(log_retention_hours))
     return path
+
+
+def topic_properties(log_retention_hours: int) -> dict[str, str]:
+    """A topic table's properties: the job's tables' (`table_properties`), and
+    its log entries dropped after `log_retention_hours` (at the job's
+    checkpoints, `jobs.commits.checkpoint_as_delta_does`). A topic's history
+    is its version-following readers' (Spark streams, change-feed readers);
+    consumer groups read by offset and need none of it."""
+    retention = {"delta.logRetentionDuration": f"interval {log_retention_hours} hours"}
+    return {**table_properties(TOPIC), **retention}
+
+
+def keep_topic_log_retention(warehouse: str, log_retention_hours: int) -> list[str]:
+    """Give every topic the job has delivered to (`_sys/queues`) the log
+    retention of `topic_properties`, where it has another (a table made by an
+    earlier release, or before the setting changed); the topics changed. A
+    failure is logged and left to the next round."""
+    from deltalake import DeltaTable as RsTable
+
+    wanted = topic_properties(log_retention_hours)
+    changed = []
+    try:
+        queues_path = table_path(warehouse, QUEUES)
+        queues = RsTable(queues_path, storage_options=options_for(queues_path))
+        topics = sorted(set(queues.to_pyarrow_table(columns=["topic"])["topic"].to_pylist()))
+        for topic in topics:
+            path = topic_path(warehouse, topic)
+            if not is_delta(path):
+                continue
+            table = RsTable(path, storage_options=options_for(path))
+            config = table.metadata().configuration
+            if any(config.get(k) != v for k, v in wanted.items()):
+                table.alter.set_table_properties(wanted)
+                changed.append(topic)
+    except Exception as exc:  # noqa: BLE001 - housekeeping must not fail a finished run
+        log.warning("setting the topics' log retention failed (%s); the next round retries", exc)
+    return changed
 
 
 def latest_version(path: str) -> int:
@@ -193,7 +256,7 @@ def upkeep_due(run_number: int) -> list[str]:
     during the pause, and a long pause made it a long run (docs/performance.md,
     "The consumer's poll, and the job's upkeep in the timed part").
 
-    >>> [upkeep_due(n) for n in (100, 101, 116)]
+    >>> [upkeep_due(n) for n in (100, 101, 114)]
     [['scheduled'], [], ['_sys/runs']]
     """
     every, chores = COMPACT_EVERY_RUNS, UPKEEP_CHORES

@@ -173,6 +173,8 @@ def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSumm
         # the run records' compaction leaves files behind, as the lease's changes do
         if RUNS.path in chores:
             job_tables.vacuum_every_run_tables(wh, lease)
+        if "topics" in chores:
+            job_tables.keep_topic_log_retention(wh, cfg.topic_log_retention_hours)
     return summary
 
 
@@ -376,7 +378,11 @@ def _execute(
     wh = cfg.warehouse
     rules = T.Rules.from_json(record.rules_json)
     held = Held()
-    writes = RunWrites(record.run_number, lease, redo, cfg.max_body_bytes) if write else None
+    writes = (
+        RunWrites(record.run_number, lease, redo, cfg.max_body_bytes, cfg.topic_log_retention_hours)
+        if write
+        else None
+    )
     small_run = interpreted_if_small(spark, _rows_read(wh, record, pending))
     with appends.log_entries_kept(), small_run as small:
         try:

@@ -31,9 +31,18 @@ class RunWrites:
     order, and overlapping them hides each commit's round trips.
     """
 
-    def __init__(self, run_number: int, lease: Lease, redo: bool, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        run_number: int,
+        lease: Lease,
+        redo: bool,
+        max_body_bytes: int,
+        topic_log_retention_hours: int = job_tables.DEFAULT_TOPIC_LOG_RETENTION_HOURS,
+    ) -> None:
         self._put_args = (run_number, lease, redo)
         self._max_body_bytes = max_body_bytes
+        #: what a topic table created by the run keeps of its log
+        self.topic_log_retention_hours = topic_log_retention_hours
         self._pool = ThreadPoolExecutor(PARALLEL_WRITES, thread_name_prefix="write")
         self._started: list = []
 
@@ -94,7 +103,9 @@ def start_deliveries(
     job (`_put_deliveries`); else one write per topic (`_put_each_topic`)."""
     # creating a table is a commit too; on an object store, round trips to overlap
     with ThreadPoolExecutor(max(len(topics), 1), thread_name_prefix="topic") as pool:
-        paths = dict(zip(topics, pool.map(lambda t: job_tables.ensure_topic_table(wh, t), topics)))
+        hours = writes.topic_log_retention_hours
+        created = pool.map(lambda t: job_tables.ensure_topic_table(wh, t, hours), topics)
+        paths = dict(zip(topics, created))
     tables = tagged_writes.split_tables(delivered, "topic", paths)
     rows = sum(topics.values())
     if tables is None:

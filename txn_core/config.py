@@ -129,6 +129,10 @@ class Config:
     #: the longest delay a message may ask for, by level, `delay_ms` or
     #: `deliver_at_ms` (RocketMQ 5's timerMaxDelaySec: 3 days)
     max_delay_ms: int = 3 * 24 * 3600 * 1000
+    #: how long a topic table's log keeps an entry (its `delta.logRetentionDuration`,
+    #: set by the job): how far behind a Spark stream or change-feed reader of a
+    #: topic may fall (RocketMQ keeps its commit log 72 hours, `fileReservedTime`)
+    topic_log_retention_hours: int = 72
     #: how long a job run's lease lasts without renewal (crashed runs free it after this)
     lease_ttl_s: int = 600
     #: an S3 warehouse's endpoint ("" = AWS's own), e.g. "http://127.0.0.1:9000" for MinIO
@@ -205,6 +209,11 @@ _SPECS: dict[str, tuple[type, Callable[[Any], bool], str]] = {
         '(ms, s, m, h, d), not decreasing, e.g. "1s 5s 10s 30s 1m"',
     ),
     "max_delay_ms": (int, lambda v: 1 <= v <= 2**40, "an integer from 1 to 2^40 (ms)"),
+    "topic_log_retention_hours": (
+        int,
+        lambda v: 1 <= v <= 100_000,
+        "an integer from 1 to 100000 (hours)",
+    ),
     "lease_ttl_s": (int, lambda v: 1 <= v <= 7 * 24 * 3600, "an integer from 1 to 604800 (s)"),
     "s3_endpoint": (
         str,

@@ -10,9 +10,11 @@ producers trim up to the newest checkpoint at or before that cursor (the job
 can always read on, any reader can rebuild the table from that checkpoint),
 and nothing until the job has run once: its first run reads from version 0.
 
-The job's own tables written at every run, idle or not (`_sys/lease`,
-`_sys/runs`), have no reader of their history at all: their logs are trimmed
-to their last hundred or so entries (`checkpoint_and_trim`).
+The job's own tables under `_sys/` have no reader of their history beyond
+the versions the latest run pinned, a commit or two back: their logs are
+trimmed to their last hundred or so entries (`trim_behind_newest`), those
+written at every run, idle or not (`_sys/lease`, `_sys/runs`), through
+`checkpoint_and_trim`.
 """
 
 from __future__ import annotations
@@ -106,8 +108,16 @@ def checkpoint_and_trim(table: DeltaTable) -> int:
     if version % SMALL_TABLE_CHECKPOINT_EVERY:
         return 0
     checkpoint_if_due(table)
+    return trim_behind_newest(table)
+
+
+def trim_behind_newest(table: DeltaTable) -> int:
+    """`trim_log` to the newest checkpoint at least `KEPT_ENTRIES` versions
+    behind the handle's version, for a table whose history nobody reads;
+    returns the entries removed. A failed trim is only logged: the next
+    one trims again."""
     try:
-        return trim_log(table, version - KEPT_ENTRIES)
+        return trim_log(table, table.version() - KEPT_ENTRIES)
     except OSError as exc:
         log.warning("trimming the log of %s failed (%s)", table.table_uri, exc)
         return 0

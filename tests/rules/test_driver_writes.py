@@ -5,14 +5,19 @@ NULL holds, and only writes that fit in the driver take this path."""
 
 from __future__ import annotations
 
+import os
+
+import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 from pyspark.sql import functions as F
 
-from jobs import driver_writes, job_tables, tagged_writes
+from jobs import driver_writes, inputs, job_tables, tagged_writes
 from jobs.writes import RunWrites
-from schemas import TOPIC
+from schemas import TOPIC, table_path
 from schemas.spark import spark_schema
+from schemas.tables import QUEUES
+from txn_core import log_trim
 
 
 def _topic_rows(spark, offsets):
@@ -94,6 +99,43 @@ def test_the_rows_of_several_tables_are_collected_once_and_committed_to_each(spa
         for t, p in paths.items()
     }
     assert read == {"ORDER": [1, 2], "PAY": [7]}
+
+
+def _logged_versions(path: str) -> list[int]:
+    names = os.listdir(os.path.join(path, "_delta_log"))
+    return sorted(int(n.split(".")[0]) for n in names if n.endswith(".json") and n[0].isdigit())
+
+
+def _tag(run: int, app: str) -> str:
+    return tagged_writes.run_tag(run, app)
+
+
+def test_a_state_tables_log_keeps_its_last_entries_a_topics_its_history(
+    spark, warehouse, monkeypatch
+):
+    """A busy run commits to each state table it changes: kept whole, their
+    logs made every commit and read of a continuous job slower by the hour on
+    a local disk (docs/performance.md). A topic's history is its readers'
+    (Spark streams follow it by version) and stays."""
+    monkeypatch.setattr(log_trim, "KEPT_ENTRIES", 10)
+    job_tables.ensure_job_tables(warehouse)
+    queues = table_path(warehouse, QUEUES)
+    topic = job_tables.ensure_topic_table(warehouse, "ORDER")
+    messages = driver_writes.collect(_topic_rows(spark, range(1, 41)))
+    for run in range(1, 41):  # versions 1-40 of each
+        row = pa.table({"topic": ["ORDER"], "queue_id": [0], "next_queue_offset": [run]})
+        row = row.append_column("run_number", pa.array([run], pa.int64()))
+        driver_writes.write(row, DeltaTable(queues), "overwrite", _tag(run, QUEUES.path))
+        driver_writes.write(messages.slice(run - 1, 1), DeltaTable(topic), "append", _tag(run, "t"))
+
+    # at version 40: back to the newest checkpoint at least 10 versions back
+    assert _logged_versions(queues) == list(range(30, 41))
+    assert _logged_versions(topic) == list(range(41))
+    # what a redo of the last run reads is still there: its pinned version, its tag
+    pinned = inputs.read_snapshot(spark, queues, QUEUES, 39).collect()
+    assert [r.next_queue_offset for r in pinned] == [39]
+    assert tagged_writes.committed_by_run(queues, 40, QUEUES.path)
+    assert not tagged_writes.committed_by_run(queues, 41, QUEUES.path)
 
 
 def test_only_writes_that_fit_in_the_driver_are_collected():

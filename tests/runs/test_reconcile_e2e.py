@@ -7,12 +7,13 @@ import os
 
 import pyarrow as pa
 import pytest
-from deltalake import DeltaTable
+from deltalake import DeltaTable, write_deltalake
 
-from jobs import pipeline
+from jobs import commits, pipeline
 from jobs.reconcile import reconcile
 from jobs.status import status
 from schemas import CHECK_REQUESTS, DISCARD, HALF, PENDING, REJECTED, RUNS, table_path, topic_path
+from schemas.tables import QUEUES
 
 import factories as fx
 
@@ -285,9 +286,64 @@ def test_the_upkeep_is_spread_over_the_runs_a_chore_after_a_run():
     assert sorted(window) == sorted(job_tables.UPKEEP_CHORES)
     assert all(due[n] == due[n + every] for n in range(1, 2 * every + 1))
     assert max(len(chores) for chores in due.values()) == 1
-    assert set(job_tables.UPKEEP_CHORES) == {"scheduled"} | {
+    assert set(job_tables.UPKEEP_CHORES) == {"scheduled", "topics"} | {
         table.path for table in job_tables.APPEND_ONLY_TABLES
     }
+
+
+def _logged_versions(path: str) -> list[int]:
+    names = os.listdir(os.path.join(path, "_delta_log"))
+    return sorted(int(n.split(".")[0]) for n in names if n.endswith(".json") and n[0].isdigit())
+
+
+def _log_retention(path: str) -> str | None:
+    return DeltaTable(path).metadata().configuration.get("delta.logRetentionDuration")
+
+
+def test_a_topics_log_keeps_its_entries_for_the_configured_hours(spark, warehouse, monkeypatch):
+    """A topic's history is for the readers that follow it by version (Spark
+    streams): kept `topic_log_retention_hours`, where Delta's 30 days made
+    every commit and read of a continuous job on a local disk slower by the
+    hour (docs/performance.md)."""
+    from jobs import job_tables
+
+    older = job_tables.ensure_topic_table(warehouse, "OLD", log_retention_hours=72)
+    fx.write_halves(warehouse, h := fx.half(store_ms=T0 - 1000, topic="NEW"))
+    fx.write_ops(warehouse, fx.op(h))
+    job_tables.ensure_job_tables(warehouse)
+    queue = pa.table({"topic": ["OLD"], "queue_id": [0], "next_queue_offset": [0]})
+    queue = queue.append_column("run_number", pa.array([0], pa.int64()))
+    write_deltalake(table_path(warehouse, QUEUES), queue, mode="append")
+    cfg = {"warehouse": warehouse, "topic_log_retention_hours": 1}
+    monkeypatch.setattr(job_tables, "upkeep_due", lambda number: ["topics"])
+    reconcile(spark, cfg, now_ms=T0)
+    newer = topic_path(warehouse, "NEW")
+    assert rows(newer, sort="queue_offset")[0]["msg_id"] == h["msg_id"]
+    # made by the run with the setting; an older topic given it by the upkeep
+    assert _log_retention(newer) == _log_retention(older) == "interval 1 hours"
+    assert job_tables.keep_topic_log_retention(warehouse, 1) == []
+    assert job_tables.keep_topic_log_retention(warehouse, 3) == ["NEW", "OLD"]
+
+    # the job's checkpoints drop the entries past it
+    rows_again = DeltaTable(newer).to_pyarrow_table()
+
+    def append_and_after_commit(times: int) -> bool:
+        for _ in range(times):
+            write_deltalake(older, rows_again, mode="append")
+        table = DeltaTable(older)
+        return commits.checkpoint_as_delta_does(
+            table, table.version(), table.metadata().configuration
+        )
+
+    assert append_and_after_commit(8)  # versions 3-10, a checkpoint at 10
+    append_and_after_commit(7)  # 11-17, then all made 4 hours old
+    log_dir = os.path.join(older, "_delta_log")
+    for name in os.listdir(log_dir):
+        stamp = os.path.getmtime(os.path.join(log_dir, name)) - 4 * 3600
+        os.utime(os.path.join(log_dir, name), (stamp, stamp))
+    assert append_and_after_commit(3)  # 18-20, a checkpoint at 20
+    # what the newest checkpoint past the retention (10) replaces is gone
+    assert _logged_versions(older) == list(range(10, 21))
 
 
 @pytest.fixture
