@@ -10,13 +10,20 @@ Spark's hot code during the first runs of a session), and the busy runs'
 median by blocks of `--block` runs, which shows how far into a session
 the runs keep getting faster.
 
+`--long-topic-logs K` gives each topic's log K more (empty) entries after
+the first run, as hours of busy runs leave them (a topic's log keeps
+`topic_log_retention_hours`; the job keeps its own tables' logs short):
+run it with and without, in the same hour, for what a long log costs a run.
+
     python scripts/bench_continuous.py --new 1000 --runs 24
     python scripts/bench_continuous.py --new 2000 --runs 400 --warm-up 300 --block 50
+    python scripts/bench_continuous.py --new 2000 --runs 80 --warm-up 40 --long-topic-logs 10000
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -37,6 +44,13 @@ def main(argv=None) -> None:
     p.add_argument("--every", type=float, default=0.2, help="the cadence, seconds")
     p.add_argument("--body-bytes", type=int, default=100)
     p.add_argument("--block", type=int, default=20, help="runs per block of the by-block medians")
+    p.add_argument(
+        "--long-topic-logs",
+        type=int,
+        default=0,
+        metavar="K",
+        help="K more log entries for each topic after the first run",
+    )
     args = p.parse_args(argv)
     if args.block < 2:
         p.error(f"--block must be at least 2 (a block holds busy and idle runs), got {args.block}")
@@ -61,6 +75,8 @@ def main(argv=None) -> None:
 
     def on_run(summary) -> None:
         runs.append((summary.run_number, summary.half_read, summary.idle, walls[-1]))
+        if len(runs) == 1 and args.long_topic_logs:
+            _lengthen_topic_logs(warehouse, args.long_topic_logs)
         if len(runs) % 2 == 1:
             fill(
                 warehouse,
@@ -90,7 +106,8 @@ def main(argv=None) -> None:
     idle = [w for _, _, i, w in measured if i]
     print(
         f"cores = {os.cpu_count()}, cadence {args.every} s, {args.new:,} new messages before every "
-        f"other run, medians after the first {args.warm_up} runs:"
+        f"other run, {args.long_topic_logs:,} more entries in each topic's log, "
+        f"medians after the first {args.warm_up} runs:"
     )
     if busy:
         print(f"run over {args.new:,} new messages: {median(busy) * 1000:7.0f} ms")
@@ -104,6 +121,23 @@ def main(argv=None) -> None:
                 f"  runs {start + 1:4d}-{start + len(runs[start : start + args.block]):4d}: "
                 f"{median(block) * 1000:7.0f} ms"
             )
+
+
+def _lengthen_topic_logs(warehouse: str, entries: int) -> None:
+    """Append `entries` commits without actions to each topic's log, then a
+    checkpoint: the log a reader lists, not one it replays."""
+    from deltalake import DeltaTable
+
+    root = os.path.join(warehouse, "topics")
+    entry = json.dumps({"commitInfo": {"timestamp": _now(), "operation": "WRITE"}}) + "\n"
+    for topic in sorted(os.listdir(root)):
+        log_dir = os.path.join(root, topic, "_delta_log")
+        table = DeltaTable(os.path.join(root, topic))
+        for version in range(table.version() + 1, table.version() + 1 + entries):
+            with open(os.path.join(log_dir, f"{version:020d}.json"), "w") as f:
+                f.write(entry)
+        DeltaTable(os.path.join(root, topic)).create_checkpoint()
+    print(f"each topic's log given {entries:,} more entries", flush=True)
 
 
 def _now() -> int:
