@@ -253,3 +253,9 @@ def arrow_frames_parallelized(spark) -> Iterator[None]:
         yield
     finally:
         spark.conf.set(key, kept)
+
+
+def logged_versions(path: str) -> list[int]:
+    """The versions whose commits a local table's log still holds."""
+    names = os.listdir(os.path.join(path, "_delta_log"))
+    return sorted(int(n.split(".")[0]) for n in names if n.endswith(".json") and n[0].isdigit())

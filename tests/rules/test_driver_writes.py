@@ -5,8 +5,6 @@ NULL holds, and only writes that fit in the driver take this path."""
 
 from __future__ import annotations
 
-import os
-
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
@@ -18,6 +16,8 @@ from schemas import TOPIC, table_path
 from schemas.spark import spark_schema
 from schemas.tables import QUEUES
 from txn_core import log_trim
+
+import factories as fx
 
 
 def _topic_rows(spark, offsets):
@@ -101,11 +101,6 @@ def test_the_rows_of_several_tables_are_collected_once_and_committed_to_each(spa
     assert read == {"ORDER": [1, 2], "PAY": [7]}
 
 
-def _logged_versions(path: str) -> list[int]:
-    names = os.listdir(os.path.join(path, "_delta_log"))
-    return sorted(int(n.split(".")[0]) for n in names if n.endswith(".json") and n[0].isdigit())
-
-
 def _tag(run: int, app: str) -> str:
     return tagged_writes.run_tag(run, app)
 
@@ -129,8 +124,8 @@ def test_a_state_tables_log_keeps_its_last_entries_a_topics_its_history(
         driver_writes.write(messages.slice(run - 1, 1), DeltaTable(topic), "append", _tag(run, "t"))
 
     # at version 40: back to the newest checkpoint at least 10 versions back
-    assert _logged_versions(queues) == list(range(30, 41))
-    assert _logged_versions(topic) == list(range(41))
+    assert fx.logged_versions(queues) == list(range(30, 41))
+    assert fx.logged_versions(topic) == list(range(41))
     # what a redo of the last run reads is still there: its pinned version, its tag
     pinned = inputs.read_snapshot(spark, queues, QUEUES, 39).collect()
     assert [r.next_queue_offset for r in pinned] == [39]
@@ -188,8 +183,6 @@ def test_a_run_collects_the_undelivered_messages_by_the_bytes_of_their_bodies(
     from schemas import PENDING
     from schemas.tables import CHECK_REQUESTS
 
-    import factories as fx
-
     now = 1_800_000_000_000
     fx.write_halves(
         warehouse, *[fx.half(i, store_ms=now - 100_000, body=b"b" * 10) for i in range(3)]
@@ -214,8 +207,6 @@ def test_a_run_collects_its_pending_set_alone_by_the_bytes_of_its_bodies(
     collects the pending set when they fit rather than Spark writing it."""
     from jobs.reconcile import reconcile
     from schemas import PENDING
-
-    import factories as fx
 
     now = 1_800_000_000_000
     fx.write_halves(warehouse, *[fx.half(i, store_ms=now - 10, body=b"b" * 10) for i in range(3)])
@@ -242,8 +233,6 @@ def test_a_run_collects_its_deliveries_by_the_bytes_of_their_bodies(spark, wareh
     whichever way."""
     from jobs import writes
     from jobs.reconcile import reconcile
-
-    import factories as fx
 
     taken = []
 
@@ -334,8 +323,6 @@ def test_a_run_commits_to_its_topics_all_at_once(spark, warehouse, monkeypatch):
     import threading
 
     from jobs.reconcile import reconcile
-
-    import factories as fx
 
     both_started = threading.Barrier(2, timeout=30)
     real = driver_writes.write

@@ -291,11 +291,6 @@ def test_the_upkeep_is_spread_over_the_runs_a_chore_after_a_run():
     }
 
 
-def _logged_versions(path: str) -> list[int]:
-    names = os.listdir(os.path.join(path, "_delta_log"))
-    return sorted(int(n.split(".")[0]) for n in names if n.endswith(".json") and n[0].isdigit())
-
-
 def _log_retention(path: str) -> str | None:
     return DeltaTable(path).metadata().configuration.get("delta.logRetentionDuration")
 
@@ -343,7 +338,7 @@ def test_a_topics_log_keeps_its_entries_for_the_configured_hours(spark, warehous
         os.utime(os.path.join(log_dir, name), (stamp, stamp))
     assert append_and_after_commit(3)  # 18-20, a checkpoint at 20
     # what the newest checkpoint past the retention (10) replaces is gone
-    assert _logged_versions(older) == list(range(10, 21))
+    assert fx.logged_versions(older) == list(range(10, 21))
 
 
 @pytest.fixture

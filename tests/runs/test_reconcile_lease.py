@@ -227,12 +227,6 @@ def test_the_lease_and_run_logs_are_checkpointed_every_ten_commits(warehouse):
     assert (last.run_number, last.status) == (every // 2, "COMMITTED")
 
 
-def _logged_versions(table: str) -> list[int]:
-    """The versions whose commits a local table's log still holds."""
-    names = os.listdir(os.path.join(table, "_delta_log"))
-    return sorted(int(n.split(".")[0]) for n in names if n.endswith(".json") and n[0].isdigit())
-
-
 def _data_files(table: str) -> int:
     return sum(n.endswith(".parquet") for n in os.listdir(table))
 
@@ -246,7 +240,7 @@ def test_the_lease_and_run_logs_keep_their_last_entries_only(warehouse, monkeypa
         Lease(warehouse, ttl_s=60).acquire().release()
     lease = table_path(warehouse, LEASE)
     # at version 80: trimmed to the newest checkpoint at least 20 versions back
-    assert _logged_versions(lease) == list(range(60, 81))
+    assert fx.logged_versions(lease) == list(range(60, 81))
     held = Lease(warehouse, ttl_s=60).acquire()
     with pytest.raises(LeaseHeld, match=held.holder):
         Lease(warehouse, ttl_s=60).acquire()
@@ -256,7 +250,7 @@ def test_the_lease_and_run_logs_keep_their_last_entries_only(warehouse, monkeypa
     for number in range(1, 21):
         run_log.write_run_record(warehouse, _run_record(number, "STARTED"))
         run_log.write_run_record(warehouse, _run_record(number, "COMMITTED"))
-    assert _logged_versions(runs) == list(range(20, 41))
+    assert fx.logged_versions(runs) == list(range(20, 41))
     assert DeltaTable(runs).to_pyarrow_table().num_rows == 40
     last = run_log.last_run(warehouse)
     assert (last.run_number, last.status) == (20, "COMMITTED")
@@ -272,7 +266,7 @@ def test_no_commit_can_take_a_version_the_trimmed_log_no_longer_holds(warehouse,
     stale = DeltaTable(lease)  # version 2, as a process paused long enough would hold it
     for _ in range(15):
         Lease(warehouse, ttl_s=60).acquire().release()
-    assert _logged_versions(lease)[0] > stale.version() + 1
+    assert fx.logged_versions(lease)[0] > stale.version() + 1
     last = Lease(warehouse, ttl_s=60).current()
     with pytest.raises(DeltaError):
         Lease(warehouse, ttl_s=60)._write(stale, "ACQUIRE", 2**62)
