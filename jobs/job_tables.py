@@ -194,6 +194,8 @@ def keep_topic_log_retention(warehouse: str, log_retention_hours: int) -> list[s
     failure is logged and left to the next round."""
     from deltalake import DeltaTable as RsTable
 
+    from txn_core.tables import set_properties
+
     wanted = topic_properties(log_retention_hours)
     changed = []
     try:
@@ -204,10 +206,7 @@ def keep_topic_log_retention(warehouse: str, log_retention_hours: int) -> list[s
             path = topic_path(warehouse, topic)
             if not is_delta(path):
                 continue
-            table = RsTable(path, storage_options=options_for(path))
-            config = table.metadata().configuration
-            if any(config.get(k) != v for k, v in wanted.items()):
-                table.alter.set_table_properties(wanted)
+            if set_properties(RsTable(path, storage_options=options_for(path)), wanted):
                 changed.append(topic)
     except Exception as exc:  # noqa: BLE001 - housekeeping must not fail a finished run
         log.warning("setting the topics' log retention failed (%s); the next round retries", exc)

@@ -52,6 +52,8 @@ def main(argv=None) -> None:
         help="K more log entries for each topic after the first run",
     )
     args = p.parse_args(argv)
+    if args.long_topic_logs < 0:
+        p.error(f"--long-topic-logs must be 0 or more, got {args.long_topic_logs}")
     if args.block < 2:
         p.error(f"--block must be at least 2 (a block holds busy and idle runs), got {args.block}")
 
@@ -136,7 +138,8 @@ def _lengthen_topic_logs(warehouse: str, entries: int) -> None:
         for version in range(table.version() + 1, table.version() + 1 + entries):
             with open(os.path.join(log_dir, f"{version:020d}.json"), "w") as f:
                 f.write(entry)
-        DeltaTable(os.path.join(root, topic)).create_checkpoint()
+        table.update_incremental()
+        table.create_checkpoint()
     print(f"each topic's log given {entries:,} more entries", flush=True)
 
 

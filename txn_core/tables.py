@@ -197,6 +197,16 @@ def lease_table(warehouse: str, storage_options: dict[str, str] | None = None) -
     )
 
 
+def set_properties(table: DeltaTable, properties: dict[str, str]) -> bool:
+    """Give `table` these `properties` where it has others or none (a
+    metadata-only commit, none when it has them all); whether it committed."""
+    configured = table.metadata().configuration
+    if all(configured.get(key) == value for key, value in properties.items()):
+        return False
+    table.alter.set_table_properties(properties)
+    return True
+
+
 def vacuum_every_run_table(
     table: DeltaTable, retention_hours: int = EVERY_RUN_RETENTION_HOURS
 ) -> int:
@@ -210,9 +220,7 @@ def vacuum_every_run_table(
     >>> vacuum_every_run_table(DeltaTable("/wh/_sys/runs"))   # doctest: +SKIP
     96
     """
-    configured = table.metadata().configuration
-    if any(configured.get(key) != value for key, value in EVERY_RUN_TABLE_CONFIG.items()):
-        table.alter.set_table_properties(EVERY_RUN_TABLE_CONFIG)
+    set_properties(table, EVERY_RUN_TABLE_CONFIG)
     deleted = table.vacuum(
         retention_hours=retention_hours,
         enforce_retention_duration=False,
