@@ -13,6 +13,7 @@ same jars, resolved again at every start.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -188,19 +189,58 @@ def _require_delta_jar() -> None:
 
 def driver_java_options(short_lived: bool = False, archive: Path = CLASS_ARCHIVE) -> str:
     """Options of a local driver JVM: the class archive when `make setup` made
-    one, `LOG_CONFIG`, and `SHORT_LIVED_JVM` for a short-lived process, else
-    `LONG_RUN_GC`.
+    one with the JDK that will run (`archive_fits`), `LOG_CONFIG`, and
+    `SHORT_LIVED_JVM` for a short-lived process, else `LONG_RUN_GC`.
 
-    A JVM that cannot use the archive (another JDK, other jars) says so on
-    stderr and starts without it.
+    A JVM that still cannot use the archive (other jars) says so on stderr
+    and starts without it.
     """
     options = [_WARNINGS_TO_STDERR]
     if LOG_CONFIG.is_file():
         options.append(f"-Dlog4j2.configurationFile={LOG_CONFIG}")
-    if archive.is_file():
+    if archive_fits(archive):
         options.append(f"-XX:SharedArchiveFile={archive}")
     options.append(SHORT_LIVED_JVM if short_lived else LONG_RUN_GC)
     return " ".join(options)
+
+
+def java_home() -> Path | None:
+    """The JDK a local driver JVM is started from, as Spark's launcher picks
+    it: `JAVA_HOME`, else the `java` on the PATH (its home, links resolved)."""
+    if os.environ.get("JAVA_HOME"):
+        return Path(os.environ["JAVA_HOME"]).resolve()
+    found = shutil.which("java")
+    return Path(found).resolve().parent.parent if found else None
+
+
+def jdk_stamp(home: Path | None = None) -> str:
+    """What identifies a JDK for its class archives: its home and the version
+    and vendor its `release` file names. Read from a file, not by starting
+    `java -version`: every session's start asks."""
+    home = java_home() if home is None else home
+    if home is None:
+        return ""
+    try:
+        release = (home / "release").read_text(errors="replace")
+    except OSError:
+        release = ""
+    wanted = ("IMPLEMENTOR=", "JAVA_RUNTIME_VERSION=", "JAVA_VERSION=")
+    named = [line for line in release.splitlines() if line.startswith(wanted)]
+    return "\n".join([str(home), *named])
+
+
+def archive_stamp(archive: Path = CLASS_ARCHIVE) -> Path:
+    """Where `scripts/build_class_archive.py` records the JDK an archive was made with."""
+    return archive.with_name(archive.name + ".jdk")
+
+
+def archive_fits(archive: Path = CLASS_ARCHIVE) -> bool:
+    """The archive exists and was made with the JDK a driver JVM starts from
+    now: another JDK refuses it, on every start, with an error on stderr."""
+    try:
+        return archive.is_file() and archive_stamp(archive).read_text() == jdk_stamp()
+    except OSError:
+        return False
 
 
 def resolved_jars(listing: Path = JAR_LIST) -> list[str] | None:

@@ -12,10 +12,13 @@ sent to a scratch warehouse (committed, rolled back, unanswered, plain,
 delayed), then one run over them in a JVM that writes the archive when it
 exits: its classes are those of a full run (reads, checks, deliveries, the
 scheduled set, every write), which include an idle run's. The archive is
-tied to this JDK and these jars; a JVM that cannot use it (after an upgrade)
-warns on stderr and starts without it. Rerun with `--force` after upgrading.
+tied to this JDK and these jars. The JDK it was made with is recorded beside
+it (`spark-classes.jsa.jdk`): a session started from another JDK (another
+`JAVA_HOME`, an upgrade) goes without the archive, and this script, so `make
+setup`, builds it again. After an upgrade of the jars a JVM warns on stderr
+and starts without it until then.
 
-    python scripts/build_class_archive.py            # builds it if missing
+    python scripts/build_class_archive.py            # builds it if missing or stale
     python scripts/build_class_archive.py --force    # rebuilds it
 """
 
@@ -32,15 +35,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from jobs.session import CLASS_ARCHIVE, JAR_LIST, driver_java_options  # noqa: E402
+from jobs.session import (  # noqa: E402
+    CLASS_ARCHIVE,
+    JAR_LIST,
+    archive_fits,
+    archive_stamp,
+    driver_java_options,
+    jdk_stamp,
+)
 
 
 def up_to_date(archive: Path = CLASS_ARCHIVE) -> bool:
-    """The archive exists and is newer than the jars it was made from (the
-    Delta jar list `make setup` writes, and pyspark's own jars)."""
+    """The archive exists, was made with the JDK that starts Spark now, and is
+    newer than the jars it was made from (the Delta jar list `make setup`
+    writes, and pyspark's own jars)."""
     import pyspark
 
-    if not archive.is_file():
+    if not archive_fits(archive):
         return False
     sources = [JAR_LIST, Path(pyspark.__file__).parent / "jars"]
     made = archive.stat().st_mtime
@@ -77,6 +88,7 @@ def build(out: Path = CLASS_ARCHIVE) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(dumped), str(out.with_suffix(".tmp")))
         os.replace(out.with_suffix(".tmp"), out)  # never a half-written archive in place
+        archive_stamp(out).write_text(jdk_stamp())
         return out
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

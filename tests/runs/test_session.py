@@ -45,13 +45,56 @@ def test_the_class_archive_is_used_when_there_and_short_lived_flags_only_when_as
     assert plain.endswith(LONG_RUN_GC)
     assert "-Xlog:all=warning:stderr" in plain  # stdout stays the job's JSON
     archive.write_bytes(b"x")
+    session.archive_stamp(archive).write_text(session.jdk_stamp())
     assert f"-XX:SharedArchiveFile={archive}" in driver_java_options(archive=archive)
     assert driver_java_options(True, archive).endswith(SHORT_LIVED_JVM)
     assert LONG_RUN_GC not in driver_java_options(True, archive)
 
 
+def _jdk(root: Path, version: str) -> Path:
+    home = root / f"jdk-{version}"
+    (home / "bin").mkdir(parents=True)
+    (home / "release").write_text(f'IMPLEMENTOR="Vendor"\nJAVA_VERSION="{version}"\nOS_ARCH="x"\n')
+    return home
+
+
+def test_an_archive_made_with_another_jdk_is_neither_used_nor_up_to_date(tmp_path, monkeypatch):
+    """Another JDK refuses the archive with an error on every start: the
+    session goes without it, and `make setup` builds it again."""
+    jdk17, jdk25 = _jdk(tmp_path, "17.0.15"), _jdk(tmp_path, "25.0.3")
+    archive = tmp_path / "spark-classes.jsa"
+    archive.write_bytes(b"x")
+    monkeypatch.setattr(build_class_archive, "JAR_LIST", tmp_path / "absent.txt")
+    import pyspark
+
+    newest = (Path(pyspark.__file__).parent / "jars").stat().st_mtime
+    os.utime(archive, (newest + 1, newest + 1))
+    monkeypatch.setenv("JAVA_HOME", str(jdk17))
+    assert "SharedArchiveFile" not in driver_java_options(archive=archive)  # no record: unknown JDK
+    assert not build_class_archive.up_to_date(archive)
+    session.archive_stamp(archive).write_text(session.jdk_stamp())
+    assert f"-XX:SharedArchiveFile={archive}" in driver_java_options(archive=archive)
+    assert build_class_archive.up_to_date(archive)
+    monkeypatch.setenv("JAVA_HOME", str(jdk25))
+    assert "SharedArchiveFile" not in driver_java_options(archive=archive)
+    assert not build_class_archive.up_to_date(archive)
+    # the JDK on the PATH when JAVA_HOME is unset, through the link to it
+    monkeypatch.delenv("JAVA_HOME")
+    (jdk17 / "bin" / "java").write_text("#!/bin/sh\n")
+    (jdk17 / "bin" / "java").chmod(0o755)
+    links = tmp_path / "links"
+    links.mkdir()
+    (links / "java").symlink_to(jdk17 / "bin" / "java")
+    monkeypatch.setenv("PATH", str(links))
+    assert session.java_home() == jdk17.resolve()
+    assert f"-XX:SharedArchiveFile={archive}" in driver_java_options(archive=archive)
+    (jdk17 / "release").write_text('JAVA_VERSION="17.0.16"\n')  # upgraded in place
+    assert "SharedArchiveFile" not in driver_java_options(archive=archive)
+
+
 def test_a_truncated_class_archive_is_never_installed(tmp_path):
-    # A JVM given a truncated archive dies of SIGBUS: the builder must catch it.
+    # JDK 17 given a truncated archive dies of SIGBUS: the builder must catch
+    # it. JDK 25 checks the archive first and starts without it.
     made = tmp_path / "small.jsa"
     subprocess.run(
         [build_class_archive.java(), f"-XX:ArchiveClassesAtExit={made}", "-version"],
@@ -61,7 +104,11 @@ def test_a_truncated_class_archive_is_never_installed(tmp_path):
     assert build_class_archive.loads(made)
     cut = tmp_path / "cut.jsa"
     cut.write_bytes(made.read_bytes()[:4096])
-    assert not build_class_archive.loads(cut)
+    given = [build_class_archive.java(), f"-XX:SharedArchiveFile={cut}", "-version"]
+    starts = subprocess.run(given, capture_output=True, cwd=tmp_path).returncode == 0
+    assert build_class_archive.loads(cut) is starts
+    if 'JAVA_VERSION="17' in session.jdk_stamp():
+        assert not starts
 
 
 def test_the_class_archive_is_rebuilt_when_older_than_the_jars(tmp_path, monkeypatch):
@@ -71,6 +118,7 @@ def test_the_class_archive_is_rebuilt_when_older_than_the_jars(tmp_path, monkeyp
     monkeypatch.setattr(build_class_archive, "JAR_LIST", jars)
     assert not build_class_archive.up_to_date(archive)
     archive.write_bytes(b"x")
+    session.archive_stamp(archive).write_text(session.jdk_stamp())
     os.utime(jars, (1, 1))
     os.utime(archive, (2, 2))
     assert not build_class_archive.up_to_date(archive)  # pyspark's jars are newer still
