@@ -41,6 +41,7 @@ from jobs.session import (  # noqa: E402
     archive_fits,
     archive_stamp,
     driver_java_options,
+    java_home,
     jdk_stamp,
 )
 
@@ -59,8 +60,9 @@ def up_to_date(archive: Path = CLASS_ARCHIVE) -> bool:
 
 
 def java() -> str:
-    home = os.environ.get("JAVA_HOME")
-    return os.path.join(home, "bin", "java") if home else "java"
+    """The `java` of the JDK Spark starts from (`jobs.session.java_home`)."""
+    home = java_home()
+    return str(home / "bin" / "java") if home else "java"
 
 
 def loads(archive: Path) -> bool:
