@@ -213,11 +213,11 @@ def java_home() -> Path | None:
     return Path(found).resolve().parent.parent if found else None
 
 
-def jdk_stamp(home: Path | None = None) -> str:
-    """What identifies a JDK for its class archives: its home and the version
-    and vendor its `release` file names. Read from a file, not by starting
-    `java -version`: every session's start asks."""
-    home = java_home() if home is None else home
+def jdk_stamp() -> str:
+    """What identifies the JDK of `java_home` for its class archives: its home
+    and the version and vendor its `release` file names. Read from a file,
+    not by starting `java -version`: every session's start asks."""
+    home = java_home()
     if home is None:
         return ""
     try:
