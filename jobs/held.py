@@ -14,6 +14,7 @@ price: it cannot be recomputed, so losing an executor that holds part of one
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from pyspark.sql import DataFrame
 
@@ -28,6 +29,7 @@ class Held:
 
     def __init__(self) -> None:
         self._releases: list[Callable[[], None]] = []
+        self._soon: ThreadPoolExecutor | None = None
 
     def checkpoint(self, df: DataFrame) -> DataFrame:
         """`df`, computed now and kept as rows."""
@@ -36,6 +38,13 @@ class Held:
         if rdd is not None:
             self._releases.append(lambda: rdd.unpersist(False))
         return done
+
+    def checkpoint_soon(self, df: DataFrame) -> Future[DataFrame]:
+        """`checkpoint(df)` on a thread of the run's own, started now: for
+        rows whose Spark job can run while the driver prepares others."""
+        if self._soon is None:
+            self._soon = ThreadPoolExecutor(1, thread_name_prefix="held")
+        return self._soon.submit(self.checkpoint, df)
 
     def cache(self, df: DataFrame) -> DataFrame:
         """`df`, kept by Spark's cache from the first action that reads it:
@@ -46,6 +55,9 @@ class Held:
         return kept
 
     def release(self) -> None:
+        if self._soon is not None:  # what they keep is freed too, not left to the cleaner
+            self._soon.shutdown(wait=True)
+            self._soon = None
         for release in reversed(self._releases):
             release()
         self._releases.clear()

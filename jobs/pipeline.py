@@ -118,11 +118,12 @@ def compute(
     writes of deliveries need: each queue's count (`T.queue_ends`: the
     topics to write, the next queues) and, placed in their queues, the rows
     the topics' write joins with their bodies (one pass, however many
-    topics). The messages not delivered (pending, checked, discarded: few)
-    are joined with their bodies by a pass of their own, kept when more
-    than one table takes rows from it (reading the bodies twice is cheaper
-    than keeping the delivered rows with them); when the live messages are
-    few, they are decided in that same pass. Each write
+    topics); a big run places them beside the count, and kept, while the
+    driver plans the writes. The messages not delivered (pending, checked,
+    discarded: few) are joined with their bodies by a pass of their own,
+    kept when more than one table takes rows from it (reading the bodies
+    twice is cheaper than keeping the delivered rows with them); when the
+    live messages are few, they are decided in that same pass. Each write
     starts as soon as its rows are known (`writes`) and runs beside the
     rest. No `writes` (a dry run): the counters only, the bodies are never
     read.
@@ -251,9 +252,19 @@ def compute(
                 due_keys.where("NOT resolved_before").drop("resolved_before"),
                 allowMissingColumns=True,
             )
+    one_task = c["committed"] <= POSITIONS_ONE_TASK_MAX_ROWS
+    merge = plain is not None or n_due > 0 or delayed_now
+    placed = None
+    if writing and one_task and not small and c["committed"] + n_due > 0:
+        # the deliveries placed in their queues (one task: a core left for
+        # the queues' count) while the driver counts the queues and plans
+        # the writes, where the deliveries' write would place them only once
+        # planned; a small run places them in its deliveries' one collect
+        placed = held.checkpoint_soon(
+            T.queue_positions(won, queues, plain=merge, one_task=one_task)
+        )
     # before any write: Spark gives a job's tasks the cores in the order
     # the jobs came, and this small one would wait for a write's
-    one_task = c["committed"] <= POSITIONS_ONE_TASK_MAX_ROWS
     queue_ends = sorted(tuple(r) for r in T.queue_ends(won, queues, one_task=one_task).collect())
     delivered_by_topic = _delivered_by_topic(queue_ends)
     if writing and delivered_by_topic:  # a few rows, written first for the same reason
@@ -294,10 +305,14 @@ def compute(
     delivered_from = known
     if n_due:
         delivered_from = known.unionByName(T.select(due, *STORED_MESSAGE_COLUMNS))
-    merge = plain is not None or n_due > 0 or delayed_now
     if writing and delivered_by_topic:  # the biggest write: started before the others are planned
+        positions = (
+            placed.result()
+            if placed is not None
+            else T.queue_positions(won, queues, plain=merge, one_task=one_task)
+        )
         delivered = T.with_bodies(
-            T.queue_positions(won, queues, plain=merge, one_task=one_task),
+            positions,
             delivered_from,
             broadcast=c["committed"] <= BROADCAST_MAX_ROWS,
             one_task=small,

@@ -1,6 +1,7 @@
 """jobs.held: what a run keeps is computed once, reads back the same rows, and
 is freed when the run releases it."""
 
+import pytest
 from pyspark.sql import functions as F
 
 from jobs.held import Held
@@ -35,3 +36,27 @@ def test_cache_is_released_with_the_rest(spark):
     held.release()
     assert not df.is_cached
     held.release()  # twice is harmless: nothing left to free
+
+
+def test_a_checkpoint_started_soon_is_computed_on_its_own_thread_and_freed_on_release(spark):
+    before = _kept_rdds(spark)
+    held = Held()
+    df = spark.range(1000).select((F.col("id") * 3).alias("x"))
+    placed = held.checkpoint_soon(df)
+    kept = placed.result(timeout=120)
+    assert sorted(r.x for r in kept.collect()) == [3 * i for i in range(1000)]
+    assert "Range" not in kept._jdf.queryExecution().executedPlan().toString()
+    assert _kept_rdds(spark) - before
+    # one never waited for is finished and freed too, not left to the cleaner
+    held.checkpoint_soon(spark.range(50))
+    held.release()
+    assert _kept_rdds(spark) - before == set()
+
+
+def test_a_checkpoint_started_soon_that_fails_raises_where_its_rows_are_wanted(spark):
+    held = Held()
+    bad = spark.range(3).selectExpr("assert_true(id < 0, 'not placed') AS x")
+    placed = held.checkpoint_soon(bad)
+    with pytest.raises(Exception, match="not placed"):  # Spark's error, in the waiting thread
+        placed.result(timeout=120)
+    held.release()

@@ -9,8 +9,10 @@ from __future__ import annotations
 import time
 
 import pyarrow as pa
+import pytest
 from deltalake import DeltaTable, write_deltalake
 
+from jobs.held import Held
 from jobs.reconcile import reconcile
 from jobs.verify import verify
 from schemas import HALF, OP, RESOLVED, table_path, topic_path
@@ -55,7 +57,20 @@ def _now() -> int:
     return time.time_ns() // 1_000_000
 
 
-def test_plain_and_transactional_sends_are_delivered_once_in_commit_order(spark, warehouse):
+@pytest.mark.parametrize("passes", ["a small run's", "a big run's"])
+def test_plain_and_transactional_sends_are_delivered_once_in_commit_order(
+    spark, warehouse, monkeypatch, passes
+):
+    """The same queues whether a run places its deliveries in their one
+    collect (a small run) or beforehand, beside the queues' count (a big
+    one, `jobs.pipeline`)."""
+    placed_early = []
+    if passes == "a big run's":
+        monkeypatch.setattr("jobs.interpreted.INTERPRETED_MAX_ROWS", -1)
+        soon = Held.checkpoint_soon
+        monkeypatch.setattr(
+            Held, "checkpoint_soon", lambda held, df: placed_early.append(1) or soon(held, df)
+        )
     cfg = {"warehouse": warehouse}
     with Broker.open(warehouse) as broker:
         plain = Producer(broker, "order_group")
@@ -90,6 +105,7 @@ def test_plain_and_transactional_sends_are_delivered_once_in_commit_order(spark,
     report = verify(spark, cfg)
     assert report.ok, report.render()
     assert (report.counts["delivered"], report.counts["plain"]) == (8, 5)
+    assert len(placed_early) == (2 if passes == "a big run's" else 0)  # the runs delivering
 
 
 def test_an_old_warehouse_runs_as_it_is_then_a_broker_migrates_it(spark, warehouse, monkeypatch):
