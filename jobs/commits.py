@@ -21,10 +21,11 @@ import shutil
 import uuid
 
 from pyspark.sql import DataFrame
-from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
 from jobs import job_tables
+from jobs.jvm_calls import select_expr
+from jobs.transforms import sql_string, sql_strings
 from schemas import DISTINCT_COLUMNS
 from txn_core import kept_tables
 from txn_core.delta_log import file_stats, local_path, reader_duties, writer_duties
@@ -106,7 +107,7 @@ def stage(df: DataFrame, table) -> list:
         return _stage_on_s3(df, table)
 
     def write(staging: str) -> dict:
-        _writer(df.select(*_not_null_checked(df, table_schema(table), root))).parquet(staging)
+        _writer(select_expr(df, _not_null_checked(df, table_schema(table), root))).parquet(staging)
         return {0: staging}
 
     return _staged({0: table}, write, 0)[0]
@@ -140,14 +141,11 @@ def _write_split(df: DataFrame, column: str, tables: dict, staging: str) -> dict
     values = sorted(tables)
     where = ", ".join(local_path(tables[v].table_uri) or tables[v].table_uri for v in values)
     strictest = _strictest_schema([table_schema(tables[v]) for v in values])
-    rows = df.where(F.col(column).isin(values))
-    index = F.create_map(*[F.lit(x) for i, v in enumerate(values) for x in (v, i)])
-    checked = _not_null_checked(rows.drop(column), strictest, where)
-    (
-        _writer(rows.select(*checked, index[F.col(column)].alias(_SPLIT_COLUMN)))
-        .partitionBy(_SPLIT_COLUMN)
-        .parquet(staging)
-    )
+    rows = df.where(f"`{column}` IN {sql_strings(values)}")
+    cases = " ".join(f"WHEN {sql_string(v)} THEN {i}" for i, v in enumerate(values))
+    index = f"CASE `{column}` {cases} END AS {_SPLIT_COLUMN}"
+    checked = _not_null_checked(rows, strictest, where)  # the table's columns: not `column`
+    _writer(select_expr(rows, [*checked, index])).partitionBy(_SPLIT_COLUMN).parquet(staging)
     return {v: f"{staging}/{_SPLIT_COLUMN}={i}" for i, v in enumerate(values)}
 
 
@@ -204,7 +202,9 @@ def _stage_on_s3(df: DataFrame, table) -> list:
     actions."""
     uri = table.table_uri.rstrip("/")
     name = S3_STAGING_PREFIX + uuid.uuid4().hex
-    _writer(df.select(*_not_null_checked(df, table_schema(table), uri))).parquet(f"{uri}/{name}")
+    _writer(select_expr(df, _not_null_checked(df, table_schema(table), uri))).parquet(
+        f"{uri}/{name}"
+    )
     storage = registered(uri)
     client = storage.s3_client()
     files = _listed(client, storage.bucket, f"{object_key(uri)}/{name}/")
@@ -371,17 +371,20 @@ def _strictest_schema(schemas: list[StructType]) -> StructType:
     return first
 
 
-def _not_null_checked(df: DataFrame, schema: StructType, where: str) -> list:
-    """`df`'s columns, failing on a null in a column the table declares NOT
-    NULL (where Spark cannot tell from the plan that there is none)."""
+def _not_null_checked(df: DataFrame, schema: StructType, where: str) -> list[str]:
+    """The columns of `schema` (the table's) in `df`, as SQL text for
+    `select_expr`, failing on a null in a column the table declares NOT NULL
+    (where Spark cannot tell from the plan that there is none). Text, not
+    Columns: a Column built in Python is several calls into the JVM, a
+    hundred for a table's columns, on the path of a run's biggest write."""
     nullable = {f.name: f.nullable for f in df.schema.fields}
     columns = []
     for field in schema.fields:
-        col = F.col(field.name)
+        name = f"`{field.name}`"
         if not field.nullable and nullable[field.name]:
-            message = f"NOT NULL constraint violated for column {field.name} of {where}"
-            col = F.when(col.isNull(), F.raise_error(F.lit(message))).otherwise(col)
-        columns.append(col.alias(field.name))
+            message = sql_string(f"NOT NULL constraint violated for column {field.name} of {where}")
+            name = f"CASE WHEN {name} IS NULL THEN raise_error({message}) ELSE {name} END AS {name}"
+        columns.append(name)
     return columns
 
 
