@@ -196,6 +196,23 @@ def test_a_split_write_stages_each_tables_rows_in_one_job_and_commits_each(spark
     assert tagged_writes.split_tables(rows, "topic", paths) is None
 
 
+def test_a_null_in_a_not_null_column_fails_a_split_write_naming_the_tables(spark, warehouse):
+    from pyspark.sql import functions as F
+
+    paths = {t: job_tables.ensure_topic_table(warehouse, t) for t in ("ORDER", "PAY")}
+    bad = _topic_rows(spark, [1]).selectExpr(
+        *[f"CAST(NULL AS string) AS {c}" if c == "msg_id" else c for c in TOPIC.names]
+    )
+    rows = bad.withColumn("topic", F.lit("ORDER")).unionByName(
+        _topic_rows(spark, [7]).withColumn("topic", F.lit("PAY"))
+    )
+    tables = tagged_writes.split_tables(rows, "topic", paths)
+    with pytest.raises(Exception, match="NOT NULL constraint violated for column msg_id of") as e:
+        tagged_writes.split_commits(rows, "topic", tables)
+    assert paths["ORDER"] in str(e.value) and paths["PAY"] in str(e.value)
+    assert all(DeltaTable(p).version() == 0 for p in paths.values())
+
+
 def test_distinct_columns_are_written_without_a_dictionary(spark, warehouse):
     import pyarrow.parquet as pq
 
