@@ -254,15 +254,17 @@ def compute(
             )
     one_task = c["committed"] <= POSITIONS_ONE_TASK_MAX_ROWS
     merge = plain is not None or n_due > 0 or delayed_now
+
+    def positions():
+        return T.queue_positions(won, queues, plain=merge, one_task=one_task)
+
     placed = None
     if writing and one_task and not small and c["committed"] + n_due > 0:
         # the deliveries placed in their queues (one task: a core left for
         # the queues' count) while the driver counts the queues and plans
         # the writes, where the deliveries' write would place them only once
         # planned; a small run places them in its deliveries' one collect
-        placed = held.checkpoint_soon(
-            T.queue_positions(won, queues, plain=merge, one_task=one_task)
-        )
+        placed = held.checkpoint_soon(positions())
     # before any write: Spark gives a job's tasks the cores in the order
     # the jobs came, and this small one would wait for a write's
     queue_ends = sorted(tuple(r) for r in T.queue_ends(won, queues, one_task=one_task).collect())
@@ -306,13 +308,8 @@ def compute(
     if n_due:
         delivered_from = known.unionByName(T.select(due, *STORED_MESSAGE_COLUMNS))
     if writing and delivered_by_topic:  # the biggest write: started before the others are planned
-        positions = (
-            placed.result()
-            if placed is not None
-            else T.queue_positions(won, queues, plain=merge, one_task=one_task)
-        )
         delivered = T.with_bodies(
-            positions,
+            placed.result() if placed is not None else positions(),
             delivered_from,
             broadcast=c["committed"] <= BROADCAST_MAX_ROWS,
             one_task=small,
