@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 import uuid
+from functools import partial
 from statistics import median
 
 import pyarrow as pa
@@ -48,6 +49,8 @@ import pyarrow.compute as pc
 from deltalake import DeltaTable, write_deltalake
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jvm_cpu import CpuAccount
 
 from schemas import HALF, OP, table_path
 from schemas.arrow import arrow_schema
@@ -225,6 +228,7 @@ def measure(spark, store: Store, args) -> dict:
 
     b, h = args.batch, args.history_factor * args.batch
     cfg = store.config
+    cpu = CpuAccount(spark)  # the measured runs' and lower bounds' CPU by kind
 
     # Warm the JVM up first (class loading, code generation), so that the
     # first measured run is not charged for it and the ratios compare runs.
@@ -239,7 +243,7 @@ def measure(spark, store: Store, args) -> dict:
     fill(hist, 0, h, args.body_bytes, NOW - 10_000, leave_pending=False)
     t_build, _ = timed(lambda: reconcile(spark, cfg(hist), now_ms=NOW))
 
-    def run(warehouse: str, copy: bool = True) -> tuple[float, object]:
+    def run(warehouse: str, copy: bool = True, cpu_of: str | None = None) -> tuple[float, object]:
         """(seconds, summary) of the run over `warehouse`, or over a copy of
         it, left as it was for the next repetition (the same inputs, the
         same plans)."""
@@ -249,7 +253,11 @@ def measure(spark, store: Store, args) -> dict:
         target = f"{warehouse}-copy-{uuid.uuid4().hex[:8]}" if copy else warehouse
         if copy:
             store.copy(warehouse, target)
-        took, summary = timed(lambda: reconcile(spark, cfg(target), now_ms=NOW + 1000))
+
+        def once():
+            return timed(lambda: reconcile(spark, cfg(target), now_ms=NOW + 1000))
+
+        took, summary = cpu.call(cpu_of, once) if cpu_of else once()
         if copy:
             store.remove(target)
         return took, summary
@@ -272,10 +280,10 @@ def measure(spark, store: Store, args) -> dict:
     lower_bound(spark, hist, half_v, op_v, store.warehouse("lower_bound_warm_up"))
     hist_times, lower_times = [], []
     for r in range(args.repeats):
-        hist_times.append(run(hist)[0])
-        lower_times.append(
-            lower_bound(spark, hist, half_v, op_v, store.warehouse(f"lower_bound-{r}"))
-        )
+        hist_times.append(run(hist, cpu_of="run over B after history")[0])
+        out = store.warehouse(f"lower_bound-{r}")
+        lower = partial(lower_bound, spark, hist, half_v, op_v, out)
+        lower_times.append(cpu.call("lower bound", lower))
     lower_bound_by_topic(spark, hist, half_v, op_v, store.warehouse("by_topic_warm_up"))
     t_by_topic = lower_bound_by_topic(spark, hist, half_v, op_v, store.warehouse("by_topic"))
 
@@ -294,6 +302,7 @@ def measure(spark, store: Store, args) -> dict:
         "by_topic": t_by_topic,
         "small": (t_small, s_small),
         "fresh_warehouse": fresh,
+        "cpu": cpu,
     }
 
 
@@ -345,6 +354,8 @@ def report(f: dict, repeats: int) -> dict[str, float]:
         f"repetition: {_all([t / lt for t, lt in zip(f['hist'], f['lower'])], 2)}; "
         f"first time / lower bound {f['hist_1'] / t_lower:.2f})"
     )
+    for line in f["cpu"].lines(width=24):
+        print(f"  {line}")
     print(
         f"the same rows to their {len(TOPICS)} topic tables (2nd time): "
         f"{f['by_topic']:.1f} s; run / that: {t_hist / f['by_topic']:.2f}"

@@ -32,6 +32,7 @@ import os
 import shutil
 import sys
 import tempfile
+from functools import partial
 from statistics import median
 
 import pyarrow as pa
@@ -41,6 +42,7 @@ from deltalake import write_deltalake
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_reconcile import CHUNK, NOW, TOPICS, _delivered_rows, _topic_like_table, fill, timed
+from jvm_cpu import CpuAccount
 
 from schemas import HALF, table_path
 from schemas.arrow import arrow_schema
@@ -170,6 +172,8 @@ def main(argv=None) -> None:
             finally:
                 shutil.rmtree(copy)
 
+        cpu = CpuAccount(spark)  # where run 2's CPU goes, and its lower bound's
+
         first_base, _ = run(base, "base-first")
         first_timers, s = run(timers, "timers-first")
         lower_bound(spark, timers, half_v, op_v, sched_v, now, f"{root}/lower-warm")
@@ -179,10 +183,14 @@ def main(argv=None) -> None:
             t_base_lower.append(
                 lower_bound(spark, base, base_half_v, base_op_v, None, now, f"{root}/bl-{r}")
             )
-            t, s = run(timers, f"timers-{r}")
+            t, s = cpu.call("run 2", partial(run, timers, f"timers-{r}"))
             t_timers.append(t)
+            out = f"{root}/lower-{r}"
             t_lower.append(
-                lower_bound(spark, timers, half_v, op_v, sched_v, now, f"{root}/lower-{r}")
+                cpu.call(
+                    "lower bound",
+                    partial(lower_bound, spark, timers, half_v, op_v, sched_v, now, out),
+                )
             )
         due = s.delivered_scheduled
         print(
@@ -207,6 +215,8 @@ def main(argv=None) -> None:
             f"run 2 / lower bound          : {median(t_timers) / median(t_lower):6.2f}"
             "   (target <= 3)"
         )
+        for line in cpu.lines(width=11):
+            print(f"  {line}")
         print(
             f"for comparison, run 1 / its own lower bound (read B, write once, "
             f"{median(t_base_lower):.2f} s {_all(t_base_lower)}): "
