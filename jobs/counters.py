@@ -97,7 +97,10 @@ class Counters:
         Also the winning COMMITs of delayed messages: committed before their
         time (`_commits_delayed`), of which due after the run's watermark
         (`_commits_later`: scheduled, not delivered), and the earliest such
-        due time."""
+        due time; and the wins that decide a live message (`_wins_on_live`:
+        a message has one win at most, and a win's target is live unless
+        discarded by an earlier run, as a message resolved before has no
+        win)."""
         won_delayed = f"outcome = '{OpOutcome.WIN}' AND action = '{Action.COMMIT}' AND {_DELAYED}"
         later = f"{won_delayed} AND due_ms > {rules.watermark_sql}"
         return self._observe(
@@ -116,6 +119,8 @@ class Counters:
                 f"outcome = '{OpOutcome.WIN}' AND action = '{Action.COMMIT}' AND due_ms IS NOT NULL"
             ),
             _unknown_offset_ops=_where(f"reason = '{T.UNKNOWN_OFFSET}'"),
+            # a win decides its message; only one discarded before is not live
+            _wins_on_live=_where(f"outcome = '{OpOutcome.WIN}' AND NOT coalesce(discarded, false)"),
             _commits_delayed=_where(won_delayed),
             _commits_later=_where(later),
             _commits_later_earliest=f"min(CASE WHEN {later} THEN due_ms END)",

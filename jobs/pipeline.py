@@ -61,10 +61,11 @@ POSITIONS_ONE_TASK_MAX_ROWS = 250_000
 CLASSIFY_ONE_TASK_MAX_ROWS = 20_000
 
 
-#: up to this many live messages (pending before, new half rows), those
-#: left undecided are decided and joined with their bodies in one pass and
-#: kept: as many as a run keeps anyway when a table's write may collect
-#: them (`driver_writes.MESSAGE_MAX_ROWS`), and a local checkpoint fewer
+#: when at most this many live messages (pending before, new half rows)
+#: can be left undecided (`_undecided_at_most`), they are decided and
+#: joined with their bodies in one pass and kept: as many as a run keeps
+#: anyway when a table's write may collect them
+#: (`driver_writes.MESSAGE_MAX_ROWS`), and a local checkpoint fewer
 UNDELIVERED_ONE_PASS_MAX_ROWS = driver_writes.MESSAGE_MAX_ROWS
 
 
@@ -122,8 +123,8 @@ def compute(
     driver plans the writes. The messages not delivered (pending, checked,
     discarded: few) are joined with their bodies by a pass of their own,
     kept when more than one table takes rows from it (reading the bodies
-    twice is cheaper than keeping the delivered rows with them); when the
-    live messages are few, they are decided in that same pass. Each write
+    twice is cheaper than keeping the delivered rows with them); when few
+    can be left undecided, they are decided in that same pass. Each write
     starts as soon as its rows are known (`writes`) and runs beside the
     rest. No `writes` (a dry run): the counters only, the bodies are never
     read.
@@ -325,12 +326,12 @@ def compute(
     few_won = few_won and c["delivered_scheduled"] <= BROADCAST_MAX_ROWS
     undecided = T.remaining_pending(live, won_ops, broadcast=few_won, one_task=small)
     fates = T.decide(T.apply_answers(undecided, answers), rules)
-    # few live messages: decided and joined with their bodies in one pass,
-    # kept (as `_keeps_undelivered` keeps so few), instead of two. Counted
-    # on the joined rows (each fate has its message): a join that finds a
-    # side empty may leave the other out of the executed plan
-    few_live = writing and _live_rows(c) <= UNDELIVERED_ONE_PASS_MAX_ROWS
-    if few_live:
+    # few messages left undecided: decided and joined with their bodies in
+    # one pass, kept (as `_keeps_undelivered` keeps so few), instead of two.
+    # Counted on the joined rows (each fate has its message): a join that
+    # finds a side empty may leave the other out of the executed plan
+    few_undecided = writing and _undecided_at_most(c) <= UNDELIVERED_ONE_PASS_MAX_ROWS
+    if few_undecided:
         joined = T.with_bodies(fates, known, broadcast=True, one_task=small)
         undelivered = held.checkpoint(counted.bodies(counted.fates(joined, rules)))
     else:
@@ -353,7 +354,7 @@ def compute(
         answers.count() if record.answers_version > record.prev_answers_version else 0
     )
     body_bytes = None
-    if few_live:
+    if few_undecided:
         body_bytes = counted.values()["_body_bytes"]
     else:
         undelivered = T.with_bodies(
@@ -473,6 +474,12 @@ def _live_rows(c: dict) -> int:
     """At most how many messages this run may leave undecided: the pending
     set it read and its new half rows."""
     return c["pending_before"] + c["half_read"]
+
+
+def _undecided_at_most(c: dict) -> int:
+    """At most how many messages this run leaves undecided: its live
+    messages (`_live_rows`) but those a winning OP decides."""
+    return _live_rows(c) - c["_wins_on_live"]
 
 
 def _undelivered_rows(c: dict) -> int:

@@ -472,3 +472,39 @@ def test_log_cleaned_beyond_the_cursor_fails_clearly_and_writes_nothing(spark, w
     assert not os.path.exists(topic_path(warehouse, "ORDER"))
     runs = DeltaTable(table_path(warehouse, RUNS)).to_pyarrow_table().to_pylist()
     assert [r["status"] for r in runs] == ["STARTED"]  # the next run retries the same intent
+
+
+@pytest.mark.parametrize("one_pass_max", [2, 1])
+def test_the_undecided_are_bounded_by_the_wins_and_decided_alike_in_one_pass_or_two(
+    spark, warehouse, monkeypatch, one_pass_max
+):
+    """A big run decides the messages it leaves undecided in the pass that
+    joins their bodies when at most `UNDELIVERED_ONE_PASS_MAX_ROWS` can be
+    (its live messages but those a winning OP decides: a duplicate or an
+    invalid OP decides nothing), and writes the same rows either way."""
+    monkeypatch.setattr("jobs.interpreted.INTERPRETED_MAX_ROWS", -1)  # a big run's passes
+    monkeypatch.setattr(pipeline, "UNDELIVERED_ONE_PASS_MAX_ROWS", one_pass_max)
+    bounds = []
+    bound = pipeline._undecided_at_most
+    monkeypatch.setattr(
+        pipeline, "_undecided_at_most", lambda c: bounds.append(bound(c)) or bound(c)
+    )
+    h = [fx.half(store_ms=T0 - 1000) for _ in range(4)] + [fx.half(store_ms=T0 - HOUR - 1)]
+    fx.write_halves(warehouse, *h)
+    fx.write_ops(
+        warehouse,
+        fx.op(h[0]),
+        fx.op(h[0]),  # a duplicate
+        fx.op(h[1], "ROLLBACK"),
+        fx.op(h[2], transaction_id="someone else's"),  # invalid
+    )
+    s = reconcile(spark, {"warehouse": warehouse}, now_ms=T0)
+
+    assert bounds == [3]  # five live messages, two decided by a win
+    assert (s.committed, s.rolled_back, s.duplicate_ops, s.invalid_ops) == (1, 1, 1, 1)
+    assert (s.check_requests, s.pending_after) == (1, 3)  # the old one is checked
+    pending = rows(table_path(warehouse, PENDING))
+    assert [r["half_offset"] for r in pending] == [m["half_offset"] for m in h[2:]]
+    assert [r["body"] for r in pending] == [m["body"] for m in h[2:]]
+    requests = rows(table_path(warehouse, CHECK_REQUESTS))
+    assert [r["half_offset"] for r in requests] == [h[4]["half_offset"]]
