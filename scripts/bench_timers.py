@@ -164,15 +164,16 @@ def main(argv=None) -> None:
         for wh in (base, timers):
             fill(wh, 10**9, args.batch, args.body_bytes, NOW + 1000, True)
 
-        def run(wh: str, tag: str) -> tuple[float, object]:
+        cpu = CpuAccount(spark)  # where run 2's CPU goes, and its lower bound's
+
+        def run(wh: str, tag: str, cpu_of: str | None = None) -> tuple[float, object]:
             copy = f"{root}/{tag}"
             shutil.copytree(wh, copy)
             try:
-                return timed(lambda: reconcile(spark, {"warehouse": copy}, now_ms=now))
+                once = partial(timed, lambda: reconcile(spark, {"warehouse": copy}, now_ms=now))
+                return cpu.call(cpu_of, once) if cpu_of else once()
             finally:
                 shutil.rmtree(copy)
-
-        cpu = CpuAccount(spark)  # where run 2's CPU goes, and its lower bound's
 
         first_base, _ = run(base, "base-first")
         first_timers, s = run(timers, "timers-first")
@@ -183,7 +184,7 @@ def main(argv=None) -> None:
             t_base_lower.append(
                 lower_bound(spark, base, base_half_v, base_op_v, None, now, f"{root}/bl-{r}")
             )
-            t, s = cpu.call("run 2", partial(run, timers, f"timers-{r}"))
+            t, s = run(timers, f"timers-{r}", cpu_of="run 2")
             t_timers.append(t)
             out = f"{root}/lower-{r}"
             t_lower.append(

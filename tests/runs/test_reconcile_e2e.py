@@ -10,6 +10,7 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 
 from jobs import commits, pipeline
+from jobs.counters import Counters
 from jobs.reconcile import reconcile
 from jobs.status import status
 from schemas import CHECK_REQUESTS, DISCARD, HALF, PENDING, REJECTED, RUNS, table_path, topic_path
@@ -474,9 +475,9 @@ def test_log_cleaned_beyond_the_cursor_fails_clearly_and_writes_nothing(spark, w
     assert [r["status"] for r in runs] == ["STARTED"]  # the next run retries the same intent
 
 
-@pytest.mark.parametrize("one_pass_max", [2, 1])
+@pytest.mark.parametrize("one_pass_max, one_pass", [(3, True), (2, False)])
 def test_the_undecided_are_bounded_by_the_wins_and_decided_alike_in_one_pass_or_two(
-    spark, warehouse, monkeypatch, one_pass_max
+    spark, warehouse, monkeypatch, one_pass_max, one_pass
 ):
     """A big run decides the messages it leaves undecided in the pass that
     joins their bodies when at most `UNDELIVERED_ONE_PASS_MAX_ROWS` can be
@@ -484,10 +485,17 @@ def test_the_undecided_are_bounded_by_the_wins_and_decided_alike_in_one_pass_or_
     invalid OP decides nothing), and writes the same rows either way."""
     monkeypatch.setattr("jobs.interpreted.INTERPRETED_MAX_ROWS", -1)  # a big run's passes
     monkeypatch.setattr(pipeline, "UNDELIVERED_ONE_PASS_MAX_ROWS", one_pass_max)
-    bounds = []
+    bounds, counted_with_bodies = [], []
     bound = pipeline._undecided_at_most
     monkeypatch.setattr(
         pipeline, "_undecided_at_most", lambda c: bounds.append(bound(c)) or bound(c)
+    )
+    fates = Counters.fates  # in one pass, the fates are counted on the rows with their bodies
+    monkeypatch.setattr(
+        Counters,
+        "fates",
+        lambda counters, df, rules: counted_with_bodies.append("body" in df.columns)
+        or fates(counters, df, rules),
     )
     h = [fx.half(store_ms=T0 - 1000) for _ in range(4)] + [fx.half(store_ms=T0 - HOUR - 1)]
     fx.write_halves(warehouse, *h)
@@ -501,6 +509,7 @@ def test_the_undecided_are_bounded_by_the_wins_and_decided_alike_in_one_pass_or_
     s = reconcile(spark, {"warehouse": warehouse}, now_ms=T0)
 
     assert bounds == [3]  # five live messages, two decided by a win
+    assert counted_with_bodies == [one_pass]
     assert (s.committed, s.rolled_back, s.duplicate_ops, s.invalid_ops) == (1, 1, 1, 1)
     assert (s.check_requests, s.pending_after) == (1, 3)  # the old one is checked
     pending = rows(table_path(warehouse, PENDING))
