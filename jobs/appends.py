@@ -20,9 +20,9 @@ import json
 import os
 import threading
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from urllib.parse import unquote
 
 from pyspark.sql import DataFrame, SparkSession
@@ -405,16 +405,19 @@ def plain_table(table) -> bool:
 
 
 #: appended files read by the driver (pyarrow) rather than by Spark's tasks,
-#: when there are more than this many and they are small in all
+#: when there are more than this many and their rows are small in all
 #: (`DRIVER_READ_MAX_BYTES`): producers sending one message at a time commit
 #: a file per message, and Spark lists them and opens each in turn, where
 #: one pyarrow scan reads them all (docs/performance.md). Spark's own
 #: threshold: past 32 paths it lists them in a Spark job of its own
 #: (`spark.sql.sources.parallelPartitionDiscovery.threshold`), a task a file
 DRIVER_READ_MIN_FILES = 32
-#: what the driver may hold of them: past it, a run's cost per file jumps
-#: several-fold, so this is set to a backlog of minutes under a steady load
-#: (2 KB messages at 1,000/s), not seconds, within the driver's 2 GB
+#: what the driver may hold of them, as read (Arrow, uncompressed: bodies
+#: that compress tenfold on disk take ten times their files' size here, and
+#: the JVM keeps a copy): past it, a run's cost per file jumps several-fold,
+#: so this is set to a backlog of minutes under a steady load (2 KB messages
+#: at 1,000/s), not seconds, within the driver's 2 GB. Files bigger in all
+#: are not read; a read that grows past it is dropped and Spark reads them
 DRIVER_READ_MAX_BYTES = 256 * 1024 * 1024
 
 
@@ -428,7 +431,9 @@ def read_appended(
     if len(files) > DRIVER_READ_MIN_FILES and sum(size for *_, size in files) <= (
         DRIVER_READ_MAX_BYTES
     ):
-        return _read_in_driver(spark, files, table)
+        rows = _rows_in_driver(files, table)
+        if rows is not None:
+            return spark.createDataFrame(rows, schema=_with_commit_version(table))
     rows = spark.read.schema(spark_schema(table)).parquet(*[f for _, f, _ in files])
     if len(files) <= VERSION_MAP_MAX_FILES:
         return T.select(rows, *table.names, f"{_commit_version(files)} AS commit_version")
@@ -457,24 +462,61 @@ def _commit_version(files: list[tuple[int, str, int]]) -> str:
     return f"CAST(element_at(map({by_name}), _metadata.file_name) AS BIGINT)"
 
 
-def _read_in_driver(
-    spark: SparkSession, files: list[tuple[int, str, int]], table: TableSchema
-) -> DataFrame:
-    """`read_appended` by the driver: the files read with pyarrow, several at
-    a time (from S3 with the warehouse's client), handed to Spark as Arrow.
+def _rows_in_driver(files: list[tuple[int, str, int]], table: TableSchema):
+    """`read_appended`'s rows read by the driver, as one Arrow table for
+    Spark (pyarrow, several files at a time; from S3 with the warehouse's
+    client), or None once they pass `DRIVER_READ_MAX_BYTES`.
 
-    Handed over as one chunk: past the size it keeps in the plan
+    One chunk: past the size it keeps in the plan
     (`spark.sql.execution.arrow.localRelationThreshold`), Spark makes a
     partition of each chunk, and a chunk per file made every stage of a run
     a task per producer commit, and its writes a file per task."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     schema = arrow_schema(table)
     if local_path(files[0][1]) is not None:
-        return spark.createDataFrame(
-            _read_local_files(files, schema).combine_chunks(), schema=_with_commit_version(table)
+        batches = _local_batches(files, schema)
+    else:
+        batches = _s3_batches(files, schema)
+    kept, size = [], 0
+    with closing(batches):  # stopped early: the reads under way end now
+        for batch in batches:
+            size += batch.nbytes
+            if size > DRIVER_READ_MAX_BYTES:
+                return None
+            kept.append(batch)
+    with_version = schema.append(pa.field("commit_version", pa.int64(), False))
+    return pa.Table.from_batches(kept, with_version).combine_chunks()
+
+
+def _local_batches(files: list[tuple[int, str, int]], schema) -> Generator:
+    """The local `files`' rows in `schema` plus `commit_version`, batch by
+    batch: one dataset scan (its threads in C++, a file's missing trailing
+    columns null), cheaper per file than a read of each."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    paths = [local_path(path) for _, path, _ in files]
+    file_versions = pa.array([v for v, _, _ in files], pa.int64())
+    scan = ds.dataset(paths, schema=schema, format="parquet").to_batches(
+        columns=[*schema.names, "__filename"]
+    )
+    for batch in scan:
+        which = pc.index_in(batch["__filename"], value_set=pa.array(paths))
+        yield pa.RecordBatch.from_arrays(
+            [*batch.columns[:-1], pc.take(file_versions, which)],
+            schema=schema.append(pa.field("commit_version", pa.int64(), False)),
         )
+
+
+def _s3_batches(files: list[tuple[int, str, int]], schema) -> Generator:
+    """The S3 `files`' rows in `schema` plus `commit_version`, a batch per
+    file, fetched `_PARALLEL_GETS` at a time: no more fetched than a few
+    past where the reader stops."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     read = _s3_reader(files[0][1])
 
     def rows(entry: tuple[int, str, int]) -> pa.Table:
@@ -486,27 +528,9 @@ def _read_in_driver(
         )
 
     with ThreadPoolExecutor(_PARALLEL_GETS) as pool:
-        table_rows = pa.concat_tables(list(pool.map(rows, files))).combine_chunks()
-    return spark.createDataFrame(table_rows, schema=_with_commit_version(table))
-
-
-def _read_local_files(files: list[tuple[int, str, int]], schema):
-    """The local `files` as one Arrow table in `schema` plus `commit_version`:
-    one dataset scan (its threads in C++, a file's missing trailing columns
-    null), cheaper per file than a read of each."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.dataset as ds
-
-    paths = [local_path(path) for _, path, _ in files]
-    rows = ds.dataset(paths, schema=schema, format="parquet").to_table(
-        columns=[*schema.names, "__filename"]
-    )
-    which = pc.index_in(rows["__filename"], value_set=pa.array(paths))
-    versions = pc.take(pa.array([v for v, _, _ in files], pa.int64()), which)
-    return rows.drop_columns(["__filename"]).append_column(
-        pa.field("commit_version", pa.int64(), False), versions
-    )
+        for start in range(0, len(files), _PARALLEL_GETS):
+            for got in pool.map(rows, files[start : start + _PARALLEL_GETS]):
+                yield from got.to_batches()
 
 
 def _s3_reader(any_path: str):

@@ -38,8 +38,8 @@ def test_many_small_appended_files_are_read_by_the_driver_like_the_change_feed(
     path = table_path(warehouse, HALF)
     upto = DeltaTable(path).version()
     read_by = []
-    real = appends._read_in_driver
-    monkeypatch.setattr(appends, "_read_in_driver", lambda *a: read_by.append("driver") or real(*a))
+    real = appends._rows_in_driver
+    monkeypatch.setattr(appends, "_rows_in_driver", lambda *a: read_by.append("driver") or real(*a))
     monkeypatch.setattr(appends, "DRIVER_READ_MIN_FILES", 3)
     _same_as_change_feed(spark, path, 0, upto)
     _same_as_change_feed(spark, path, 1, upto)
@@ -47,6 +47,29 @@ def test_many_small_appended_files_are_read_by_the_driver_like_the_change_feed(
     monkeypatch.setattr(appends, "DRIVER_READ_MAX_BYTES", 10)  # too big in all: Spark reads
     _same_as_change_feed(spark, path, 0, upto)
     assert read_by == ["driver", "driver"]
+
+
+def test_files_small_on_disk_whose_rows_are_not_are_read_by_spark(spark, warehouse, monkeypatch):
+    """The driver's budget holds the rows as read, not their compressed
+    files: bodies that compress a hundredfold would otherwise fill the
+    driver's memory (a backlog of 2,000,000 such messages did, before)."""
+    for i in range(5):
+        fx.write_halves(warehouse, fx.half(10 + i, body=b"x" * 200_000))
+    path = table_path(warehouse, HALF)
+    upto = DeltaTable(path).version()
+    files = appends.appended_files(path, 0, upto)
+    on_disk = sum(size for *_, size in files)
+    monkeypatch.setattr(appends, "DRIVER_READ_MIN_FILES", 3)
+    monkeypatch.setattr(appends, "DRIVER_READ_MAX_BYTES", 5 * on_disk)
+    assert on_disk * 5 < 5 * 200_000  # the bodies compressed more than fivefold
+    assert appends._rows_in_driver(files, HALF) is None
+    got = inputs.added_rows(spark, path, HALF, 0, upto)
+    assert "FileScan" in got._jdf.queryExecution().executedPlan().toString()
+    _same_as_change_feed(spark, path, 0, upto)
+    monkeypatch.setattr(appends, "DRIVER_READ_MAX_BYTES", 2 * 5 * 200_000)  # within it: the driver
+    rows = appends._rows_in_driver(files, HALF)
+    assert rows is not None and rows.num_rows == 5
+    assert rows.column("body")[0].as_py() == b"x" * 200_000
 
 
 def test_the_rows_the_driver_reads_reach_spark_in_few_partitions_not_one_per_file(
@@ -391,7 +414,8 @@ def test_the_driver_reads_files_written_before_a_column_was_added_with_it_null(t
     row = fx.half(1)
     pq.write_table(pa.Table.from_pylist([row], schema=schema).drop_columns(["message_type"]), old)
     pq.write_table(pa.Table.from_pylist([{**fx.half(2), "message_type": "NORMAL"}], schema), new)
-    rows = appends._read_local_files([(3, old, 0), (4, new, 0)], schema).to_pylist()
+    batches = appends._local_batches([(3, old, 0), (4, new, 0)], schema)
+    rows = [row for batch in batches for row in batch.to_pylist()]
     got = {r["half_offset"]: (r["message_type"], r["commit_version"]) for r in rows}
     assert got == {1: (None, 3), 2: ("NORMAL", 4)}
 
