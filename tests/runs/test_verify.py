@@ -12,6 +12,7 @@ one with a run killed half-way, verify ok.
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 
 import pytest
@@ -191,6 +192,10 @@ def test_outputs_of_an_unfinished_run_are_not_judged(spark, copy, monkeypatch):
     assert report.counts["halves_not_yet_processed"] == 2  # 9099 and 9020
 
 
+def _sha256(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
 def _add_discard(spark, wh, half_offset, reason="EXPIRED", body=None):
     """Append a discard row for `half_offset` as if the last committed run
     wrote it (with the half's content, or `body` instead of its body)."""
@@ -260,7 +265,9 @@ def test_every_tampering_is_caught_naming_the_message(spark, copy):
         if d["half_offset"] == 9003 and d["kind"] == "content_mismatch"
     ]
     assert len(body) == 1 and body[0]["transaction_id"] == "tx-9003"
-    assert body[0]["expected"].startswith("body=00") and body[0]["found"].startswith("body=01")
+    flipped = bytes([1]) + bytes(range(1, 256))
+    assert body[0]["expected"].startswith(f"body=256 bytes, sha256 {_sha256(bytes(range(256)))}")
+    assert body[0]["found"].startswith(f"body=256 bytes, sha256 {_sha256(flipped)}")
     assert _kinds_for(report, 9006) == {"missing_pending"}
     assert "discard_of_decided_message" in _kinds_for(report, 9004)
     assert "duplicate_discard" in _kinds_for(report, 9010)
@@ -269,7 +276,7 @@ def test_every_tampering_is_caught_naming_the_message(spark, copy):
         for d in report.differences
         if d["half_offset"] == 9010 and d["kind"] == "content_mismatch"
     ]
-    assert len(forged) == 1 and forged[0]["found"] == "body=" + b"forged".hex().upper()
+    assert len(forged) == 1 and forged[0]["found"] == f"body=6 bytes, sha256 {_sha256(b'forged')}"
     assert "queue_offset_order" in _kinds_for(report, 9009)
     assert "queue_offset_order" in _kinds_for(report, 9011)
     assert _kinds_for(report, 9014) == {"missing_delivery"}
