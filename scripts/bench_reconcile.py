@@ -26,8 +26,9 @@ Runs 1-3 share one SparkSession, warmed up first by a run over 1,000 messages
 and then by the run that resolves the history (before run 1: a cold JVM
 compiles Spark's hot code during its first big run, which would otherwise be
 charged to run 1 alone).
-Producer rows are written with delta-rs in big batches (no broker core), with
-the mix: 85 % commit, 10 % roll back, 5 % stay pending.
+Producer rows are written with delta-rs in big batches (no broker core;
+--rows-per-commit, 250,000 by default: a run's new rows in one file per
+table), with the mix: 85 % commit, 10 % roll back, 5 % stay pending.
 
     python scripts/bench_reconcile.py --batch 200000
     python scripts/bench_reconcile.py --batch 200000 --s3-loopback
@@ -117,19 +118,27 @@ def op_batch(start: int, n: int, store_ms: int, pending: bool) -> pa.Table:
 
 
 def fill(
-    warehouse: str, start: int, n: int, body_bytes: int, store_ms: int, leave_pending: bool
+    warehouse: str,
+    start: int,
+    n: int,
+    body_bytes: int,
+    store_ms: int,
+    leave_pending: bool,
+    rows_per_commit: int = CHUNK,
 ) -> None:
+    """`n` messages from offset `start`: their half rows, then their OPs, in
+    commits of `rows_per_commit` rows each."""
     ensure_broker_tables(warehouse)
-    for s in range(start, start + n, CHUNK):
-        k = min(CHUNK, start + n - s)
+    for s in range(start, start + n, rows_per_commit):
+        k = min(rows_per_commit, start + n - s)
         write_deltalake(
             table_path(warehouse, HALF),
             half_batch(s, k, body_bytes, store_ms),
             mode="append",
             storage_options=options_for(warehouse),
         )
-    for s in range(start, start + n, CHUNK):
-        k = min(CHUNK, start + n - s)
+    for s in range(start, start + n, rows_per_commit):
+        k = min(rows_per_commit, start + n - s)
         write_deltalake(
             table_path(warehouse, OP),
             op_batch(s, k, store_ms, leave_pending),
@@ -229,18 +238,19 @@ def measure(spark, store: Store, args) -> dict:
     b, h = args.batch, args.history_factor * args.batch
     cfg = store.config
     cpu = CpuAccount(spark)  # the measured runs' and lower bounds' CPU by kind
+    write = partial(fill, rows_per_commit=args.rows_per_commit)
 
     # Warm the JVM up first (class loading, code generation), so that the
     # first measured run is not charged for it and the ratios compare runs.
     warm = store.warehouse("warm-up")
-    fill(cfg(warm).warehouse, 0, 1_000, args.body_bytes, NOW, leave_pending=True)
+    write(cfg(warm).warehouse, 0, 1_000, args.body_bytes, NOW, leave_pending=True)
     reconcile(spark, cfg(warm), now_ms=NOW + 1000)
 
     # The history's own run comes first: a run over that many rows is also
     # what brings the JVM's compiled code up to speed (a small warm-up does
     # not make the hot paths hot), so both measured runs below find it warm.
     hist = cfg(store.warehouse("history")).warehouse
-    fill(hist, 0, h, args.body_bytes, NOW - 10_000, leave_pending=False)
+    write(hist, 0, h, args.body_bytes, NOW - 10_000, leave_pending=False)
     t_build, _ = timed(lambda: reconcile(spark, cfg(hist), now_ms=NOW))
 
     def run(warehouse: str, copy: bool = True, cpu_of: str | None = None) -> tuple[float, object]:
@@ -269,13 +279,13 @@ def measure(spark, store: Store, args) -> dict:
     # measurement of each side, taken at different moments, compared that
     # as much as the two.
     fresh = cfg(store.warehouse("fresh")).warehouse
-    fill(fresh, 0, b, args.body_bytes, NOW, leave_pending=True)
+    write(fresh, 0, b, args.body_bytes, NOW, leave_pending=True)
     t_fresh_1, _ = run(fresh)
     fresh_runs = [run(fresh, copy=r < args.repeats - 1) for r in range(args.repeats)]
 
     half_v = DeltaTable(table_path(hist, HALF), storage_options=options_for(hist)).version()
     op_v = DeltaTable(table_path(hist, OP), storage_options=options_for(hist)).version()
-    fill(hist, h, b, args.body_bytes, NOW, leave_pending=True)
+    write(hist, h, b, args.body_bytes, NOW, leave_pending=True)
     t_hist_1, _ = run(hist)
     lower_bound(spark, hist, half_v, op_v, store.warehouse("lower_bound_warm_up"))
     hist_times, lower_times = [], []
@@ -287,7 +297,7 @@ def measure(spark, store: Store, args) -> dict:
     lower_bound_by_topic(spark, hist, half_v, op_v, store.warehouse("by_topic_warm_up"))
     t_by_topic = lower_bound_by_topic(spark, hist, half_v, op_v, store.warehouse("by_topic"))
 
-    fill(fresh, b, SMALL, args.body_bytes, NOW, leave_pending=True)
+    write(fresh, b, SMALL, args.body_bytes, NOW, leave_pending=True)
     t_small, s_small = timed(lambda: reconcile(spark, cfg(fresh), now_ms=NOW + 1000))
     return {
         "store": store,
@@ -385,6 +395,13 @@ def main(argv=None) -> None:
     p.add_argument("--history-factor", type=int, default=10, help="H = factor x B")
     p.add_argument("--body-bytes", type=int, default=100)
     p.add_argument(
+        "--rows-per-commit",
+        type=int,
+        default=CHUNK,
+        help="rows of each producer commit the benchmark writes (its messages' layout: "
+        "fewer, as producers' own batches, make more files and log entries to read)",
+    )
+    p.add_argument(
         "--repeats",
         type=int,
         default=5,
@@ -405,7 +422,8 @@ def main(argv=None) -> None:
         print(
             f"B = {args.batch:,} new messages per run (85% commit, 10% rollback, "
             f"5% pending), H = {args.history_factor * args.batch:,} resolved before, "
-            f"body {args.body_bytes} B, cores = {os.cpu_count()}"
+            f"body {args.body_bytes} B, {args.rows_per_commit:,} rows per producer commit, "
+            f"cores = {os.cpu_count()}"
         )
         print(f"medians of {args.repeats} measured repetitions; all of them in brackets")
         headlines = [report(f, args.repeats) for f in measured]
