@@ -283,6 +283,23 @@ def test_the_job_reads_appended_rows_and_snapshots_as_parquet_on_s3(spark, s3, m
         assert sorted((r.half_offset, r.commit_version, r.body) for r in by_driver.collect()) == (
             sorted((r.half_offset, r.commit_version, r.body) for r in fast.collect())
         )
+    # rows past the driver's budget: it stops fetching, and Spark reads them
+    fetched = []
+    real_reader = appends._s3_reader
+
+    def counting_reader(any_path):
+        read = real_reader(any_path)
+        return lambda path: fetched.append(path) or read(path)
+
+    monkeypatch.setattr(appends, "_s3_reader", counting_reader)
+    monkeypatch.setattr(appends, "_PARALLEL_GETS", 1)
+    monkeypatch.setattr(appends, "DRIVER_READ_MAX_BYTES", 1)
+    assert appends._rows_in_driver(files, HALF) is None
+    assert len(fetched) == 1
+    by_spark = inputs.added_rows(spark, path, HALF, 0, upto)
+    assert sorted((r.half_offset, r.commit_version, r.body) for r in by_spark.collect()) == (
+        sorted((r.half_offset, r.commit_version, r.body) for r in fast.collect())
+    )
 
 
 def test_the_jobs_writes_are_committed_by_delta_rs_on_s3_collected_or_spark_written(spark, s3):
