@@ -485,8 +485,13 @@ def _rows_in_driver(files: list[tuple[int, str, int]], table: TableSchema):
             if size > DRIVER_READ_MAX_BYTES:
                 return None
             kept.append(batch)
-    with_version = schema.append(pa.field("commit_version", pa.int64(), False))
-    return pa.Table.from_batches(kept, with_version).combine_chunks()
+    return pa.Table.from_batches(kept, _arrow_with_commit_version(schema)).combine_chunks()
+
+
+def _arrow_with_commit_version(schema):
+    import pyarrow as pa
+
+    return schema.append(pa.field("commit_version", pa.int64(), False))
 
 
 def _local_batches(files: list[tuple[int, str, int]], schema) -> Generator:
@@ -498,15 +503,15 @@ def _local_batches(files: list[tuple[int, str, int]], schema) -> Generator:
     import pyarrow.dataset as ds
 
     paths = [local_path(path) for _, path, _ in files]
-    file_versions = pa.array([v for v, _, _ in files], pa.int64())
+    names, versions = pa.array(paths), pa.array([v for v, _, _ in files], pa.int64())
+    out = _arrow_with_commit_version(schema)
     scan = ds.dataset(paths, schema=schema, format="parquet").to_batches(
         columns=[*schema.names, "__filename"]
     )
     for batch in scan:
-        which = pc.index_in(batch["__filename"], value_set=pa.array(paths))
+        which = pc.index_in(batch["__filename"], value_set=names)
         yield pa.RecordBatch.from_arrays(
-            [*batch.columns[:-1], pc.take(file_versions, which)],
-            schema=schema.append(pa.field("commit_version", pa.int64(), False)),
+            [*batch.columns[:-1], pc.take(versions, which)], schema=out
         )
 
 

@@ -156,8 +156,7 @@ def _read(
 def _digested(df: DataFrame) -> DataFrame:
     """`df` with each message body as its length and SHA-256 digest ("2048
     bytes, sha256 9f86..."): the audit only compares bodies, and a
-    warehouse's bodies kept whole, several times over, outgrow the driver
-    (a million 2 KB messages did, in a 2 GB driver)."""
+    warehouse's bodies, kept whole several times over, outgrow the driver."""
     if "body" not in df.columns:
         return df
     return df.withColumn(
