@@ -523,14 +523,12 @@ def _s3_batches(files: list[tuple[int, str, int]], schema) -> Generator:
     import pyarrow.parquet as pq
 
     read = _s3_reader(files[0][1])
+    version_field = _arrow_with_commit_version(schema).field("commit_version")
 
     def rows(entry: tuple[int, str, int]) -> pa.Table:
         version, path, _ = entry
         got = pq.read_table(read(path), schema=schema).select(schema.names).cast(schema)
-        return got.append_column(
-            pa.field("commit_version", pa.int64(), False),
-            pa.array([version] * got.num_rows, pa.int64()),
-        )
+        return got.append_column(version_field, pa.array([version] * got.num_rows, pa.int64()))
 
     with ThreadPoolExecutor(_PARALLEL_GETS) as pool:
         for start in range(0, len(files), _PARALLEL_GETS):
