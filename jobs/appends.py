@@ -294,9 +294,16 @@ def snapshot_files(path: str, version: int) -> list[str] | None:
     table = open_snapshot(path, version)
     if table is None:
         return None
-    uris: list[str] = table.file_uris()
+    paths = _data_files(table)
     kept_tables.give_back(table)
-    return uris
+    return paths
+
+
+def _data_files(table) -> list[str]:
+    """The paths of the data files of delta-rs' `table`, as Spark and pyarrow
+    open them: delta-rs lists them as URIs, whose escapes (`%20` for a space)
+    both would read as part of the name."""
+    return [unquote(uri) for uri in table.file_uris()]
 
 
 def snapshot_files_by_stats(path: str, version: int, column: str, may_hold) -> list[str] | None:
@@ -343,7 +350,7 @@ def _files_by_stats(path: str, version: int, column: str, may_hold):
     if table is None:
         return None
     files = pa.table(table.get_add_actions(flatten=True))
-    uris = table.file_uris()
+    paths = _data_files(table)
     kept_tables.give_back(table)
     if files.num_rows == 0:
         return [], files
@@ -352,7 +359,7 @@ def _files_by_stats(path: str, version: int, column: str, may_hold):
         unknown = pc.or_kleene(pc.is_null(files[low]), pc.is_null(files[high]))
         files = files.filter(pc.or_kleene(unknown, may_hold(files[low], files[high])))
     wanted = {unquote(p).rsplit("/", 1)[-1] for p in files["path"].to_pylist()}
-    return [uri for uri in uris if uri.rsplit("/", 1)[-1] in wanted], files
+    return [p for p in paths if p.rsplit("/", 1)[-1] in wanted], files
 
 
 def snapshot_files_holding(

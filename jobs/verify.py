@@ -29,7 +29,7 @@ from jobs import inputs, job_tables
 from jobs.held import Held
 from jobs.local import local_frame
 from jobs.session import use_warehouse
-from schemas import HALF, OP, TOPIC, TableSchema, table_path, topic_path
+from schemas import HALF, OP, TOPIC, TableSchema, table_path, topic_of_directory, topic_path
 from schemas.spark import spark_schema
 from schemas.tables import (
     CANCELLED,
@@ -230,7 +230,8 @@ def _topics(spark: SparkSession, warehouse: str) -> list[str]:
     fs = root.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
     if not fs.exists(root):
         return []
-    return sorted(s.getPath().getName() for s in fs.listStatus(root) if s.isDirectory())
+    names = (s.getPath().getName() for s in fs.listStatus(root) if s.isDirectory())
+    return sorted(topic_of_directory(name) for name in names)
 
 
 def _committed_runs(spark: SparkSession, warehouse: str):

@@ -28,6 +28,8 @@ from schemas.tables import (
     TableSchema,
     dlq_path,
     table_path,
+    topic_directory,
+    topic_of_directory,
     topic_path,
 )
 
@@ -54,5 +56,7 @@ __all__ = [
     "TableSchema",
     "dlq_path",
     "table_path",
+    "topic_directory",
+    "topic_of_directory",
     "topic_path",
 ]

@@ -433,8 +433,42 @@ def table_path(warehouse: str, table: TableSchema) -> str:
     return warehouse.rstrip("/") + "/" + table.path
 
 
+#: characters of a topic's name written otherwise in its table's directory
+#: name: delta-rs cannot open a path holding `|` or a `%` escape such as
+#: `%41` (it panics, or decodes it and looks elsewhere); `~`, never in a
+#: topic's name, marks each, so every topic keeps a directory of its own
+_TOPIC_DIRECTORY_ESCAPES = (("%", "~25"), ("|", "~7C"))
+
+
 def topic_path(warehouse: str, topic: str) -> str:
-    return warehouse.rstrip("/") + "/topics/" + topic
+    """The table of `topic`: `<warehouse>/topics/<topic>`, each `%` of the
+    name written `~25` and each `|` written `~7C` (`topic_directory`).
+
+    >>> topic_path("/wh", "ORDER")
+    '/wh/topics/ORDER'
+    >>> topic_path("/wh", "pay|eu")
+    '/wh/topics/pay~7Ceu'
+    """
+    return warehouse.rstrip("/") + "/topics/" + topic_directory(topic)
+
+
+def topic_directory(topic: str) -> str:
+    """The name of `topic`'s directory under `topics/` (`topic_path`)."""
+    for character, escape in _TOPIC_DIRECTORY_ESCAPES:
+        topic = topic.replace(character, escape)
+    return topic
+
+
+def topic_of_directory(name: str) -> str:
+    """The topic whose table is the directory `name` under `topics/`: the
+    inverse of `topic_directory`.
+
+    >>> topic_of_directory("rate~25")
+    'rate%'
+    """
+    for character, escape in reversed(_TOPIC_DIRECTORY_ESCAPES):
+        name = name.replace(escape, character)
+    return name
 
 
 def dlq_path(warehouse: str, group: str) -> str:

@@ -28,6 +28,18 @@ S3_SCHEMES = ("s3", "s3a")
 OTHER_SCHEMES = ("file", "abfss", "abfs", "gs")
 
 
+#: characters a warehouse's path may not hold: delta-rs cannot open a path
+#: with `|`, `[`, `]`, `^` or a backslash (it panics or looks elsewhere),
+#: reads `%41` as an escape and, on S3, the rest of a path after `#` as a
+#: URI's fragment (every table one and the same); Spark reads `{`, `}`, `*`,
+#: `?` in a path as a pattern of file names
+WAREHOUSE_FORBIDDEN_CHARACTERS = "%|[]^\\{}*?#"
+#: an S3 prefix: the characters AWS calls safe in an object key but `*`;
+#: delta-rs gives back an S3 table's URI with any other escaped (a space as
+#: `%20`), and the job names the table's objects by that URI
+_S3_PREFIX_RE = re.compile(r"^[A-Za-z0-9/!_.'()-]*$")
+
+
 def absolute_warehouse(warehouse: str) -> str:
     """The warehouse in the one form both engines are given.
 
@@ -35,11 +47,20 @@ def absolute_warehouse(warehouse: str) -> str:
     location such as `./warehouse/_sys/runs` as a table name, and a relative
     path would mean another place for every process started elsewhere. An S3
     URI becomes `s3a://bucket/prefix`, which delta-rs and Spark's s3a
-    connector both read. Any other scheme is refused.
+    connector both read. Any other scheme is refused, and so is a path with
+    one of `WAREHOUSE_FORBIDDEN_CHARACTERS` (spaces and other characters
+    are fine).
 
     >>> absolute_warehouse("s3://bucket/wh/")
     's3a://bucket/wh'
     """
+    forbidden = sorted({c for c in warehouse if c in WAREHOUSE_FORBIDDEN_CHARACTERS})
+    if forbidden:
+        raise ConfigError(
+            f"warehouse {warehouse!r} holds {' '.join(forbidden)}, which delta-rs or Spark "
+            "cannot read in a path; choose a path without any of "
+            + " ".join(WAREHOUSE_FORBIDDEN_CHARACTERS)
+        )
     if "://" not in warehouse:
         return os.path.abspath(warehouse)
     scheme, rest = warehouse.split("://", 1)
@@ -48,6 +69,12 @@ def absolute_warehouse(warehouse: str) -> str:
         if not bucket:
             raise ConfigError(
                 f"warehouse {warehouse!r} names no bucket; expected s3://bucket/prefix"
+            )
+        prefix = rest.split("/", 1)[1] if "/" in rest else ""
+        if not _S3_PREFIX_RE.match(prefix):
+            raise ConfigError(
+                f"warehouse {warehouse!r}: an S3 warehouse's prefix may hold only letters, "
+                "digits and / ! - _ . ' ( ) (the characters AWS calls safe in an object key)"
             )
         return "s3a://" + rest.rstrip("/")
     if scheme.lower() not in OTHER_SCHEMES:

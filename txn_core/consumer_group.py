@@ -51,7 +51,7 @@ from deltalake.exceptions import CommitFailedError, TableNotFoundError
 
 from schemas import CONSUMER_MEMBERS, CONSUMER_OFFSETS, DLQ, TOPIC, table_path, topic_path
 from schemas.arrow import arrow_schema
-from txn_core.config import Config, ConfigError
+from txn_core.config import Config, ConfigError, absolute_warehouse
 from txn_core.errors import BrokerClosedError, MessageValidationError, TxnError
 from txn_core.message import validate_topic
 from txn_core.storage import Storage, options_for, use
@@ -370,7 +370,7 @@ def _resolve_warehouse(warehouse: str | Config) -> str:
         return use(Storage.from_config(warehouse), check=False).warehouse
     if not isinstance(warehouse, str) or not warehouse:
         raise ConfigError(f"warehouse must be a path, a URI or a Config, got {warehouse!r}")
-    return warehouse
+    return absolute_warehouse(warehouse)
 
 
 def _valid_topic(topic: object) -> str:
