@@ -441,7 +441,7 @@ def read_appended(
         rows = _rows_in_driver(files, table)
         if rows is not None:
             return spark.createDataFrame(rows, schema=_with_commit_version(table))
-    rows = spark.read.schema(spark_schema(table)).parquet(*[f for _, f, _ in files])
+    rows = read_parquet(spark, table, [f for _, f, _ in files])
     if len(files) <= VERSION_MAP_MAX_FILES:
         return T.select(rows, *table.names, f"{_commit_version(files)} AS commit_version")
     versions = local_frame(spark, [(os.path.basename(f), v) for v, f, _ in files], _FILE_VERSIONS)
@@ -452,6 +452,32 @@ def read_appended(
         .select(*table.names, "commit_version")
     )
 
+
+def read_parquet(spark: SparkSession, table: TableSchema, files: list[str]) -> DataFrame:
+    """`files` (not empty) read as parquet in `table`'s columns. Local files
+    are listed by the driver: past `DRIVER_READ_MIN_FILES` paths Spark
+    lists them in a Spark job, a task a file (`_LISTED_BY_SPARK_FROM`),
+    where a look at each from the driver takes microseconds. Files on an
+    object store are listed as Spark chooses."""
+    reader = spark.read.schema(spark_schema(table))
+    if len(files) <= DRIVER_READ_MIN_FILES or any(local_path(f) is None for f in files):
+        return reader.parquet(*files)
+    with _listing_lock:
+        before = spark.conf.get(_LISTED_BY_SPARK_FROM, None)
+        spark.conf.set(_LISTED_BY_SPARK_FROM, str(len(files) + 1))
+        try:
+            return reader.parquet(*files)
+        finally:
+            if before is None:
+                spark.conf.unset(_LISTED_BY_SPARK_FROM)
+            else:
+                spark.conf.set(_LISTED_BY_SPARK_FROM, before)
+
+
+#: the session setting past which Spark lists a read's paths in a Spark job
+_LISTED_BY_SPARK_FROM = "spark.sql.sources.parallelPartitionDiscovery.threshold"
+#: one read at a time changes that setting, so that each puts back what it found
+_listing_lock = threading.Lock()
 
 #: up to this many files read by Spark, each row's commit version comes
 #: from an expression on its file's name; more are joined with a table of

@@ -222,4 +222,4 @@ def read_snapshot(spark: SparkSession, path: str, table: TableSchema, version: i
 def _read_files(spark: SparkSession, table: TableSchema, files: list[str]) -> DataFrame:
     """Data files of a snapshot (all of them, or those a caller picked) as
     parquet in `table`'s columns."""
-    return spark.read.schema(spark_schema(table)).parquet(*files) if files else empty(spark, table)
+    return appends.read_parquet(spark, table, files) if files else empty(spark, table)

@@ -71,6 +71,16 @@ def write_for_run(
     return True
 
 
+#: tables a run opens (or creates) at once: a run may deliver to hundreds of
+#: topics, and a thread each would be as many open tables and sockets
+TABLES_OPENED_AT_ONCE = 32
+
+
+def opened_at_once(tables) -> int:
+    """Threads for opening `tables`: one each, up to `TABLES_OPENED_AT_ONCE`."""
+    return max(1, min(len(tables), TABLES_OPENED_AT_ONCE))
+
+
 def split_tables(df: DataFrame, column: str, paths: dict[str, str]) -> dict | None:
     """The tables of `paths` (by value of `column`) opened for `split_commits`,
     or None unless `jobs.commits` can commit the rows of `df` to every one of
@@ -78,7 +88,7 @@ def split_tables(df: DataFrame, column: str, paths: dict[str, str]) -> dict | No
     rows = df.drop(column)
     rows.schema  # noqa: B018 — analysed once, here, not by each thread below
     # each is a read of a table's log: on an object store, round trips to overlap
-    with ThreadPoolExecutor(max(len(paths), 1), thread_name_prefix="open") as pool:
+    with ThreadPoolExecutor(opened_at_once(paths), thread_name_prefix="open") as pool:
         opened = list(pool.map(lambda path: commits.committable(path, rows), paths.values()))
     tables = dict(zip(paths, opened))
     return None if any(table is None for table in tables.values()) else tables

@@ -25,10 +25,11 @@ from typing import Any
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from jobs import inputs, job_tables
+from jobs import appends, inputs, job_tables
 from jobs.held import Held
 from jobs.local import local_frame
 from jobs.session import use_warehouse
+from jobs.tagged_writes import TABLES_OPENED_AT_ONCE
 from schemas import HALF, OP, TOPIC, TableSchema, table_path, topic_of_directory, topic_path
 from schemas.spark import spark_schema
 from schemas.tables import (
@@ -41,6 +42,7 @@ from schemas.tables import (
     REJECTED,
     RESOLVED,
     RUNS,
+    TOPIC_DIRECTORY_ESCAPES,
 )
 from txn_core.config import as_config
 from txn_core.vocabulary import (
@@ -999,22 +1001,71 @@ def _state_tables(spark: SparkSession, wh: str, scope: _Scope) -> dict[str, Data
 def _delivered_rows(
     spark: SparkSession, wh: str, ignored_run: str | None
 ) -> tuple[list[str], DataFrame]:
-    """The topics found, and every row of their tables with its `found_topic`."""
+    """The topics found, and every row of their tables with its `found_topic`.
+
+    The tables whose files lie in their own directory, as the job writes
+    them, are read in one scan, each row's `found_topic` named by its file's
+    directory; only the others are read one by one: a union of one read per
+    table grows with the square of the topics, each step analysing the whole
+    union again (docs/performance.md)."""
     topic_names = _topics(spark, wh)
-    delivered = None
-    for name in topic_names:
-        path = topic_path(wh, name)
-        if not job_tables.is_delta(path):
-            continue
-        df = _read(spark, path, TOPIC).withColumn("found_topic", F.lit(name))
-        if ignored_run is not None:
-            df = df.where(F.col("run_id") != F.lit(ignored_run))
-        delivered = df if delivered is None else delivered.unionByName(df)
-    if delivered is None:
-        delivered = local_frame(spark, [], spark_schema(TOPIC)).withColumn(
+    listed = _topic_files(wh, topic_names)
+    one_scan = [f for files in listed.values() if files is not None for f in files]
+    frames = []
+    if one_scan:
+        frames.append(
+            _digested(
+                appends.read_parquet(spark, TOPIC, one_scan).withColumn(
+                    "found_topic", _topic_of_file(F.col("_metadata.file_path"))
+                )
+            )
+        )
+    for name, files in listed.items():
+        if files is None:
+            frames.append(
+                _read(spark, topic_path(wh, name), TOPIC).withColumn("found_topic", F.lit(name))
+            )
+    if not frames:
+        return topic_names, local_frame(spark, [], spark_schema(TOPIC)).withColumn(
             "found_topic", F.lit(None).cast("string")
         )
+    delivered = _union(frames)
+    if ignored_run is not None:
+        delivered = delivered.where(F.col("run_id") != F.lit(ignored_run))
     return topic_names, delivered
+
+
+def _topic_files(wh: str, topic_names: list[str]) -> dict[str, list[str] | None]:
+    """The data files of each topic's table at its latest version, by topic,
+    when they all lie in the table's own directory (None otherwise: the
+    table is read by Delta's reader); topics without a table are left out."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def files(name: str) -> tuple[str, list[str] | None] | None:
+        path = topic_path(wh, name)
+        if not job_tables.is_delta(path):
+            return None
+        found = appends.snapshot_files(path, job_tables.latest_version(path))
+        inside = path.rstrip("/") + "/"
+        if found is not None and all(
+            f.startswith(inside) and "/" not in f[len(inside) :] for f in found
+        ):
+            return name, found
+        return name, None
+
+    # each is a read of a table's log: on an object store, round trips to overlap
+    with ThreadPoolExecutor(TABLES_OPENED_AT_ONCE, thread_name_prefix="topic") as pool:
+        return dict(found for found in pool.map(files, topic_names) if found is not None)
+
+
+def _topic_of_file(file_path) -> Any:
+    """The topic whose table holds the file at `file_path` (a URI: its
+    directory's name, `schemas.topic_directory`, holds no character a URI
+    escapes)."""
+    topic = F.regexp_extract(file_path, r"([^/]+)/[^/]+$", 1)
+    for character, escape in reversed(TOPIC_DIRECTORY_ESCAPES):  # as `topic_of_directory`
+        topic = F.replace(topic, F.lit(escape), F.lit(character))
+    return topic
 
 
 def _halves(half: DataFrame) -> DataFrame:

@@ -102,7 +102,9 @@ def start_deliveries(
     counted first (`_put_counted_deliveries`); more, written by one Spark
     job (`_put_deliveries`); else one write per topic (`_put_each_topic`)."""
     # creating a table is a commit too; on an object store, round trips to overlap
-    with ThreadPoolExecutor(max(len(topics), 1), thread_name_prefix="topic") as pool:
+    with ThreadPoolExecutor(
+        tagged_writes.opened_at_once(topics), thread_name_prefix="topic"
+    ) as pool:
         hours = writes.topic_log_retention_hours
         created = pool.map(lambda t: job_tables.ensure_topic_table(wh, t, hours), topics)
         paths = dict(zip(topics, created))
@@ -239,7 +241,8 @@ def _put_each_topic(delivered, paths: dict, run_number: int, lease: Lease, redo:
             rows = kept.where(F.col("topic") == topic).drop("topic")
             _put(rows, todo[topic], _app(topic), "append", False, run_number, lease, False)
 
-        with ThreadPoolExecutor(len(todo), thread_name_prefix="topic") as pool:
+        at_once = min(len(todo), TOPIC_COMMITS_AT_ONCE)
+        with ThreadPoolExecutor(at_once, thread_name_prefix="topic") as pool:
             list(pool.map(put, sorted(todo)))
     finally:
         held.release()

@@ -437,7 +437,7 @@ def table_path(warehouse: str, table: TableSchema) -> str:
 #: name: delta-rs cannot open a path holding `|` or a `%` escape such as
 #: `%41` (it panics, or decodes it and looks elsewhere); `~`, never in a
 #: topic's name, marks each, so every topic keeps a directory of its own
-_TOPIC_DIRECTORY_ESCAPES = (("%", "~25"), ("|", "~7C"))
+TOPIC_DIRECTORY_ESCAPES = (("%", "~25"), ("|", "~7C"))
 
 
 def topic_path(warehouse: str, topic: str) -> str:
@@ -454,7 +454,7 @@ def topic_path(warehouse: str, topic: str) -> str:
 
 def topic_directory(topic: str) -> str:
     """The name of `topic`'s directory under `topics/` (`topic_path`)."""
-    for character, escape in _TOPIC_DIRECTORY_ESCAPES:
+    for character, escape in TOPIC_DIRECTORY_ESCAPES:
         topic = topic.replace(character, escape)
     return topic
 
@@ -466,7 +466,7 @@ def topic_of_directory(name: str) -> str:
     >>> topic_of_directory("rate~25")
     'rate%'
     """
-    for character, escape in reversed(_TOPIC_DIRECTORY_ESCAPES):
+    for character, escape in reversed(TOPIC_DIRECTORY_ESCAPES):
         name = name.replace(escape, character)
     return name
 
