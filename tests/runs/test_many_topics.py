@@ -1,6 +1,6 @@
 """A run delivering to more topics than it opens tables at once, and `verify`
 reading every topic's table in one scan, each row's table named by its
-file's directory (docs/performance.md, "Hundreds of topics")."""
+file's directory (docs/performance.md, "Hundreds of topics, and paths with spaces")."""
 
 from __future__ import annotations
 
