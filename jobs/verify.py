@@ -1003,23 +1003,26 @@ def _delivered_rows(
 ) -> tuple[list[str], DataFrame]:
     """The topics found, and every row of their tables with its `found_topic`.
 
-    The tables whose files lie in their own directory, as the job writes
-    them, are read in one scan, each row's `found_topic` named by its file's
-    directory; only the others are read one by one: a union of one read per
-    table grows with the square of the topics, each step analysing the whole
-    union again (docs/performance.md)."""
+    The tables whose files can be read as written are read in one scan (one
+    for each depth of their files below the table's directory: on S3 a big
+    run's files stay in a staging directory), each row's `found_topic`
+    named by its table's directory; only the others are read one by one: a
+    union of one read per table grows with the square of the topics, each
+    step analysing the whole union again (docs/performance.md)."""
     topic_names = _topics(spark, wh)
     listed = _topic_files(wh, topic_names)
-    one_scan = [f for files in listed.values() if files is not None for f in files]
-    frames = []
-    if one_scan:
-        frames.append(
-            _digested(
-                appends.read_parquet(spark, TOPIC, one_scan).withColumn(
-                    "found_topic", _topic_of_file(F.col("_metadata.file_path"))
-                )
+    by_depth: dict[int, list[str]] = {}
+    for files in listed.values():
+        for depth, path in files or []:
+            by_depth.setdefault(depth, []).append(path)
+    frames = [
+        _digested(
+            appends.read_parquet(spark, TOPIC, paths).withColumn(
+                "found_topic", _topic_of_file(F.col("_metadata.file_path"), depth)
             )
         )
+        for depth, paths in sorted(by_depth.items())
+    ]
     for name, files in listed.items():
         if files is None:
             frames.append(
@@ -1035,34 +1038,34 @@ def _delivered_rows(
     return topic_names, delivered
 
 
-def _topic_files(wh: str, topic_names: list[str]) -> dict[str, list[str] | None]:
+def _topic_files(wh: str, topic_names: list[str]) -> dict[str, list[tuple[int, str]] | None]:
     """The data files of each topic's table at its latest version, by topic,
-    when they all lie in the table's own directory (None otherwise: the
-    table is read by Delta's reader); topics without a table are left out."""
+    each with its depth below the table's directory (0: in it); None for a
+    table Delta's reader must read (`appends.snapshot_files`), or one with a
+    file elsewhere. Topics without a table are left out."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def files(name: str) -> tuple[str, list[str] | None] | None:
+    def files(name: str) -> tuple[str, list[tuple[int, str]] | None] | None:
         path = topic_path(wh, name)
         if not job_tables.is_delta(path):
             return None
         found = appends.snapshot_files(path, job_tables.latest_version(path))
         inside = path.rstrip("/") + "/"
-        if found is not None and all(
-            f.startswith(inside) and "/" not in f[len(inside) :] for f in found
-        ):
-            return name, found
-        return name, None
+        if found is None or not all(f.startswith(inside) for f in found):
+            return name, None
+        return name, [(f[len(inside) :].count("/"), f) for f in found]
 
     # each is a read of a table's log: on an object store, round trips to overlap
     with ThreadPoolExecutor(TABLES_OPENED_AT_ONCE, thread_name_prefix="topic") as pool:
         return dict(found for found in pool.map(files, topic_names) if found is not None)
 
 
-def _topic_of_file(file_path) -> Any:
-    """The topic whose table holds the file at `file_path` (a URI: its
-    directory's name, `schemas.topic_directory`, holds no character a URI
-    escapes)."""
-    topic = F.regexp_extract(file_path, r"([^/]+)/[^/]+$", 1)
+def _topic_of_file(file_path, depth: int) -> Any:
+    """The topic whose table holds the file at `file_path`, `depth`
+    directories below the table's (a URI: the table directory's name,
+    `schemas.topic_directory`, holds no character a URI escapes)."""
+    below = "(?:/[^/]+){" + str(depth + 1) + "}$"  # the file's name and directories
+    topic = F.regexp_extract(file_path, "([^/]+)" + below, 1)
     for character, escape in reversed(TOPIC_DIRECTORY_ESCAPES):  # as `topic_of_directory`
         topic = F.replace(topic, F.lit(escape), F.lit(character))
     return topic

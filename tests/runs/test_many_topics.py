@@ -86,3 +86,20 @@ def test_a_run_opens_a_bounded_number_of_tables_and_verify_reads_them_in_one_sca
         if d["kind"] == "wrong_topic"
     }
     assert wrong == {away: ("odd|one", "T02"), back: ("T03", "odd%41")}
+
+
+def test_a_files_topic_is_its_table_directorys_name_at_any_depth(spark):
+    from pyspark.sql import functions as F
+
+    from jobs.verify import _topic_of_file
+
+    paths = [
+        ("file:/w/topics/ORDER/part-0.parquet", 0),
+        ("s3a://b/topics/wh/topics/pay~7Ceu/txn-staged-1/part-0.parquet", 1),
+        ("s3a://b/wh/topics/a~2541/txn-staged-1/txn_target=0/part-0.parquet", 2),
+    ]
+    found = [
+        spark.createDataFrame([(path,)], ["p"]).select(_topic_of_file(F.col("p"), depth)).first()[0]
+        for path, depth in paths
+    ]
+    assert found == ["ORDER", "pay|eu", "a%41"]

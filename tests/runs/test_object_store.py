@@ -591,6 +591,9 @@ def test_deliveries_too_big_for_the_driver_are_written_by_one_spark_job_on_s3(
         # ORDER's files where Spark wrote them; PAY's copied into PAY's table
         assert all("/txn_target=" in p for p in added["ORDER"]), added
         assert added["PAY"] and all(p.count("/") == 1 for p in added["PAY"]), added
+        # verify reads files two, one and no directories below their tables' in one scan each
+        report = verify(spark, cfg)
+        assert report.ok and report.counts["delivered"] == 3, report.render()
     assert results["crashed"] == results["clean"] == results["constrained"]
 
 
