@@ -197,11 +197,26 @@ def driver_java_options(short_lived: bool = False, archive: Path = CLASS_ARCHIVE
     """
     options = [_WARNINGS_TO_STDERR]
     if LOG_CONFIG.is_file():
-        options.append(f"-Dlog4j2.configurationFile={LOG_CONFIG}")
+        options.append(java_option("-Dlog4j2.configurationFile=", LOG_CONFIG))
     if archive_fits(archive):
-        options.append(f"-XX:SharedArchiveFile={archive}")
+        options.append(java_option("-XX:SharedArchiveFile=", archive))
     options.append(SHORT_LIVED_JVM if short_lived else LONG_RUN_GC)
     return " ".join(options)
+
+
+def java_option(option: str, path: Path | str) -> str:
+    """`option` and `path` as one JVM option of a string Spark's launcher
+    splits at spaces (`spark.driver.extraJavaOptions`, spark-submit's
+    `--driver-java-options`): quoted when the path holds a space or a
+    quote, as under a directory such as `My Projects`.
+
+    >>> java_option("-XX:SharedArchiveFile=", "/a b/x.jsa")
+    '-XX:SharedArchiveFile="/a b/x.jsa"'
+    """
+    text = str(path)
+    if not any(c.isspace() or c in "\"'\\" for c in text):
+        return option + text
+    return option + '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def java_home() -> Path | None:

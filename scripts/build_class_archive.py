@@ -42,6 +42,7 @@ from jobs.session import (  # noqa: E402
     archive_stamp,
     driver_java_options,
     java_home,
+    java_option,
     jdk_stamp,
 )
 
@@ -158,7 +159,11 @@ def dump(archive: str, warehouse: str, now_ms: str) -> None:
     options = driver_java_options(short_lived=True, archive=Path(archive))  # no archive yet
     spark = build_spark(
         "txn-reconcile",
-        conf={"spark.driver.extraJavaOptions": f"{options} -XX:ArchiveClassesAtExit={archive}"},
+        conf={
+            "spark.driver.extraJavaOptions": options
+            + " "
+            + java_option("-XX:ArchiveClassesAtExit=", archive)
+        },
     )
     code = reconcile.main(["run", "--warehouse", warehouse, "--now-ms", now_ms])
     if code != 0:

@@ -1,7 +1,9 @@
-"""Which jars and JVM options a local SparkSession is given (no Spark started here)."""
+"""Which jars and JVM options a local SparkSession is given (no Spark started
+here, but for one driver in a process of its own)."""
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import build_class_archive
@@ -246,3 +248,30 @@ def test_a_local_session_builds_a_broadcast_table_in_pages_of_1_mb(spark):
     assert used() - before < 4 * 2**20
     assert session.submit_conf("local[2]") == ["spark.buffer.pageSize=1m"]
     assert session.submit_conf("spark://host:7077") == []
+
+
+@pytest.mark.slow
+def test_a_driver_starts_from_a_directory_with_a_space(tmp_path):
+    """The JVM options name files of the project (its log configuration,
+    the class archive); installed under a directory such as `My Projects`,
+    each path must stay one option, or the JVM cannot start at all."""
+    under = tmp_path / "My Projects"
+    under.mkdir()
+    config = under / "log4j2.properties"
+    config.write_text(session.LOG_CONFIG.read_text())
+    assert session.java_option("-Dx=", config) == f'-Dx="{config}"'
+    program = (
+        "import sys; from pathlib import Path; import jobs.session as s\n"
+        "s.LOG_CONFIG = Path(sys.argv[1])\n"
+        "spark = s.build_spark('space', short_lived=True)\n"
+        "print(spark.sparkContext._jvm.java.lang.System.getProperty('log4j2.configurationFile'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program, str(config)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == str(config)
