@@ -199,10 +199,7 @@ def keep_topic_log_retention(warehouse: str, log_retention_hours: int) -> list[s
     wanted = topic_properties(log_retention_hours)
     changed = []
     try:
-        queues_path = table_path(warehouse, QUEUES)
-        queues = RsTable(queues_path, storage_options=options_for(queues_path))
-        topics = sorted(set(queues.to_pyarrow_table(columns=["topic"])["topic"].to_pylist()))
-        for topic in topics:
+        for topic in delivered_topics(warehouse):
             path = topic_path(warehouse, topic)
             if not is_delta(path):
                 continue
@@ -246,6 +243,57 @@ def latest_versions(warehouse: str, tables) -> dict[str, int]:
     paths = {table.path: table_path(warehouse, table) for table in tables}
     with ThreadPoolExecutor(max(len(paths), 1), thread_name_prefix="version") as pool:
         return dict(zip(paths, pool.map(latest_version, paths.values())))
+
+
+def delivered_topics(warehouse: str) -> list[str]:
+    """The topics the job has delivered to (`_sys/queues`)."""
+    from deltalake import DeltaTable as RsTable
+
+    path = table_path(warehouse, QUEUES)
+    queues = RsTable(path, storage_options=options_for(path))
+    return sorted(set(queues.to_pyarrow_table(columns=["topic"])["topic"].to_pylist()))
+
+
+#: a topic's table has its small files merged (`compact_topics`) once it
+#: holds this many files under `COMPACT_TARGET_BYTES`
+TOPIC_COMPACT_MIN_FILES = 50
+
+
+def compact_topics(warehouse: str) -> dict[str, int]:
+    """Merge the small files of every topic the job has delivered to that
+    holds at least `TOPIC_COMPACT_MIN_FILES` of them; files removed by topic.
+
+    A run adds a file to each topic it delivers to: a continuous job at a
+    run a second, 86,400 a day, and every open of the table (a consumer's,
+    the job's commit and its checkpoints) grows with them. delta-rs'
+    compaction keeps the files' order, so each merged file holds a range of
+    every queue's offsets that the consumers' file statistics still find;
+    it is dataChange=false, invisible to change-feed readers and to Spark
+    streams. The files it replaces stay for the readers of older versions
+    until a VACUUM (docs/operating.md). A failure is logged and left to the
+    next round."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    from deltalake import DeltaTable as RsTable
+
+    removed = {}
+    try:
+        topics = delivered_topics(warehouse)
+    except Exception as exc:  # noqa: BLE001 - housekeeping must not fail a finished run
+        log.warning("listing the topics to compact failed (%s); the next round retries", exc)
+        return removed
+    for topic in topics:
+        path = topic_path(warehouse, topic)
+        try:
+            table = RsTable(path, storage_options=options_for(path))
+            sizes = pa.table(table.get_add_actions(flatten=True))["size_bytes"]
+            small = pc.sum(pc.less(sizes, COMPACT_TARGET_BYTES)).as_py() or 0
+            if small >= TOPIC_COMPACT_MIN_FILES:
+                metrics = table.optimize.compact(target_size=COMPACT_TARGET_BYTES)
+                removed[topic] = int(metrics.get("numFilesRemoved", 0))
+        except Exception as exc:  # noqa: BLE001 - housekeeping must not fail a finished run
+            log.warning("compaction of %s failed (%s); the next round retries", path, exc)
+    return removed
 
 
 def upkeep_due(run_number: int) -> list[str]:

@@ -175,6 +175,7 @@ def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSumm
             job_tables.vacuum_every_run_tables(wh, lease)
         if "topics" in chores:
             job_tables.keep_topic_log_retention(wh, cfg.topic_log_retention_hours)
+            job_tables.compact_topics(wh)
     return summary
 
 
