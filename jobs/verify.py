@@ -1047,9 +1047,10 @@ def _topic_files(wh: str, topic_names: list[str]) -> dict[str, list[tuple[int, s
 
     def files(name: str) -> tuple[str, list[tuple[int, str]] | None] | None:
         path = topic_path(wh, name)
-        if not job_tables.is_delta(path):
+        version = job_tables.latest_version(path)
+        if version == job_tables.NO_VERSION:
             return None
-        found = appends.snapshot_files(path, job_tables.latest_version(path))
+        found = appends.snapshot_files(path, version)
         inside = path.rstrip("/") + "/"
         if found is None or not all(f.startswith(inside) for f in found):
             return name, None

@@ -116,7 +116,7 @@ def test_a_warehouse_path_with_spaces_and_topics_with_percent_and_pipe(
         ("/data/a^b", "^"),
     ],
 )
-def test_a_warehouse_path_neither_engine_can_read_is_refused(tmp_path, warehouse, named):
+def test_a_warehouse_path_neither_engine_can_read_is_refused(warehouse, named):
     with pytest.raises(ConfigError, match=f"holds {re.escape(named)},"):
         load_config(env={}, warehouse=warehouse)
     with pytest.raises(ConfigError, match="holds"):
