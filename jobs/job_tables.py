@@ -263,15 +263,14 @@ def compact_topics(warehouse: str) -> dict[str, int]:
     """Merge the small files of every topic the job has delivered to that
     holds at least `TOPIC_COMPACT_MIN_FILES` of them; files removed by topic.
 
-    A run adds a file to each topic it delivers to: a continuous job at a
-    run a second, 86,400 a day, and every open of the table (a consumer's,
-    the job's commit and its checkpoints) grows with them. delta-rs'
-    compaction keeps the files' order, so each merged file holds a range of
-    every queue's offsets that the consumers' file statistics still find;
-    it is dataChange=false, invisible to change-feed readers and to Spark
-    streams. The files it replaces stay for the readers of older versions
-    until a VACUUM (docs/operating.md). A failure is logged and left to the
-    next round."""
+    A run adds a file to each topic it delivers to, and every open of the
+    table (a consumer's, the job's commits and checkpoints) grows with them
+    (docs/performance.md). delta-rs' compaction keeps the files' order, so
+    a merged file holds a range of each queue's offsets, which the
+    consumers' file statistics still find; it is dataChange=false, unseen
+    by change-feed readers and Spark streams. The replaced files stay until
+    a VACUUM (docs/operating.md). A failure is logged and left to the next
+    round."""
     import pyarrow as pa
     import pyarrow.compute as pc
     from deltalake import DeltaTable as RsTable

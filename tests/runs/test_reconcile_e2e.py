@@ -312,7 +312,12 @@ def test_a_topics_log_keeps_its_entries_for_the_configured_hours(spark, warehous
     write_deltalake(table_path(warehouse, QUEUES), queue, mode="append")
     cfg = {"warehouse": warehouse, "topic_log_retention_hours": 1}
     monkeypatch.setattr(job_tables, "upkeep_due", lambda number: ["topics"])
+    compact, compacted = job_tables.compact_topics, []
+    monkeypatch.setattr(
+        job_tables, "compact_topics", lambda wh: compacted.append(wh) or compact(wh)
+    )
     reconcile(spark, cfg, now_ms=T0)
+    assert compacted == [warehouse]  # the same chore merges the topics' small files
     newer = topic_path(warehouse, "NEW")
     assert rows(newer, sort="queue_offset")[0]["msg_id"] == h["msg_id"]
     # made by the run with the setting; an older topic given it by the upkeep
