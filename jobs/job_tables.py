@@ -4,6 +4,7 @@ and compacting the ones that only grow."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from schemas import TOPIC, TableSchema, table_path, topic_path
@@ -103,7 +104,9 @@ def is_delta(path: str) -> bool:
     return RsTable.is_deltatable(path, storage_options=options_for(path))
 
 
-def create_table(path: str, table: TableSchema, properties: dict[str, str] | None = None) -> None:
+def create_table(
+    path: str, table: TableSchema, properties: dict[str, str] | None = None, name: str | None = None
+) -> None:
     """Create an empty job table if missing. Every job table has the change data
     feed on (consumers and producers follow them with delta-rs) and no other
     table feature, so delta-rs can read them.
@@ -120,6 +123,7 @@ def create_table(path: str, table: TableSchema, properties: dict[str, str] | Non
         path,
         arrow_schema(table),
         mode="ignore",
+        name=name,
         configuration=table_properties(table) if properties is None else properties,
         storage_options=options_for(path),
         commit_properties=CommitProperties(max_commit_retries=0),
@@ -170,11 +174,56 @@ def ensure_topic_table(
     warehouse: str, topic: str, log_retention_hours: int = DEFAULT_TOPIC_LOG_RETENTION_HOURS
 ) -> str:
     """The topic's table, created if missing with its log kept
-    `log_retention_hours` (`topic_properties`)."""
+    `log_retention_hours` (`topic_properties`) and named after the topic.
+    Raises `SharedTopicTableError` when the table at its path is another
+    topic's (`txn_core.tables.check_topic_table`)."""
     path = topic_path(warehouse, topic)
     if not is_delta(path):
-        create_table(path, TOPIC, topic_properties(log_retention_hours))
+        create_table(path, TOPIC, topic_properties(log_retention_hours), name=topic)
+    if path not in _topic_tables_checked:
+        _check_topic_table(path, topic)
+        _topic_tables_checked.add(path)
     return path
+
+
+def ensure_topic_tables(
+    warehouse: str, topics: Iterable[str], log_retention_hours: int, at_once: int
+) -> dict[str, str]:
+    """`ensure_topic_table` of each of `topics`, up to `at_once` at a time
+    (each is a commit or a read of a log: on an object store, round trips to
+    overlap); the path of each. Names that differ only in case are taken one
+    after the other, in order: where the file system ignores case, the
+    first makes the directory and its table, and the next is refused."""
+    alike: dict[str, list[str]] = {}
+    for topic in sorted(topics):
+        alike.setdefault(topic.casefold(), []).append(topic)
+
+    def ensure(names: list[str]) -> list[tuple[str, str]]:
+        return [(name, ensure_topic_table(warehouse, name, log_retention_hours)) for name in names]
+
+    threads = max(1, min(len(alike), at_once))
+    with ThreadPoolExecutor(threads, thread_name_prefix="topic") as pool:
+        return dict(pair for pairs in pool.map(ensure, alike.values()) for pair in pairs)
+
+
+#: the topic tables this process found to be their topic's
+_topic_tables_checked: set[str] = set()
+
+
+def _check_topic_table(path: str, topic: str) -> None:
+    """`check_topic_table` where a file system may ignore case: on a local
+    disk (object stores never do)."""
+    from txn_core import kept_tables
+    from txn_core.delta_log import local_path
+    from txn_core.tables import check_topic_table
+
+    if local_path(path) is None:
+        return
+    table = kept_tables.take(path)  # opened for the run's commits anyway
+    try:
+        check_topic_table(table, topic)
+    finally:
+        kept_tables.give_back(table)
 
 
 def topic_properties(log_retention_hours: int) -> dict[str, str]:

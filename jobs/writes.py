@@ -101,13 +101,9 @@ def start_deliveries(
     rows it can hold if their bodies are small, kept and their bodies
     counted first (`_put_counted_deliveries`); more, written by one Spark
     job (`_put_deliveries`); else one write per topic (`_put_each_topic`)."""
-    # creating a table is a commit too; on an object store, round trips to overlap
-    with ThreadPoolExecutor(
-        tagged_writes.opened_at_once(topics), thread_name_prefix="topic"
-    ) as pool:
-        hours = writes.topic_log_retention_hours
-        created = pool.map(lambda t: job_tables.ensure_topic_table(wh, t, hours), topics)
-        paths = dict(zip(topics, created))
+    paths = job_tables.ensure_topic_tables(
+        wh, topics, writes.topic_log_retention_hours, tagged_writes.TABLES_OPENED_AT_ONCE
+    )
     tables = tagged_writes.split_tables(delivered, "topic", paths)
     rows = sum(topics.values())
     if tables is None:

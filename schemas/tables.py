@@ -436,18 +436,20 @@ def table_path(warehouse: str, table: TableSchema) -> str:
 #: characters of a topic's name written otherwise in its table's directory
 #: name: delta-rs cannot open a path holding `|` or a `%` escape such as
 #: `%41` (it panics, or decodes it and looks elsewhere); `~`, never in a
-#: topic's name, marks each, so every topic keeps a directory of its own
-TOPIC_DIRECTORY_ESCAPES = (("%", "~25"), ("|", "~7C"))
+#: topic's name, marks each, so every topic keeps a directory of its own.
+#: Two characters each, so that the longest name (127) fits a file name's
+#: 255 bytes.
+TOPIC_DIRECTORY_ESCAPES = (("%", "~p"), ("|", "~b"))
 
 
 def topic_path(warehouse: str, topic: str) -> str:
     """The table of `topic`: `<warehouse>/topics/<topic>`, each `%` of the
-    name written `~25` and each `|` written `~7C` (`topic_directory`).
+    name written `~p` and each `|` written `~b` (`topic_directory`).
 
     >>> topic_path("/wh", "ORDER")
     '/wh/topics/ORDER'
     >>> topic_path("/wh", "pay|eu")
-    '/wh/topics/pay~7Ceu'
+    '/wh/topics/pay~beu'
     """
     return warehouse.rstrip("/") + "/topics/" + topic_directory(topic)
 
@@ -463,7 +465,7 @@ def topic_of_directory(name: str) -> str:
     """The topic whose table is the directory `name` under `topics/`: the
     inverse of `topic_directory`.
 
-    >>> topic_of_directory("rate~25")
+    >>> topic_of_directory("rate~p")
     'rate%'
     """
     for character, escape in reversed(TOPIC_DIRECTORY_ESCAPES):

@@ -22,7 +22,7 @@ from schemas import topic_path
 from txn_core.config import Config, ConfigError
 from txn_core.message import validate_topic
 from txn_core.storage import Storage, options_for, use
-from txn_core.tables import MissingTableError
+from txn_core.tables import MissingTableError, check_topic_table
 
 
 def read_topic(
@@ -53,6 +53,7 @@ def read_topic(
         raise MissingTableError(
             f"topic {topic!r} has no table under {warehouse} yet (nothing delivered to it)"
         ) from None
+    check_topic_table(table, topic)
     condition = pc.field("queue_offset") >= from_queue_offset
     files = f"queue_offset >= {from_queue_offset}"
     if queue_id is not None:

@@ -55,7 +55,7 @@ from txn_core.config import Config, ConfigError, absolute_warehouse
 from txn_core.errors import BrokerClosedError, MessageValidationError, TxnError
 from txn_core.message import validate_topic
 from txn_core.storage import Storage, options_for, use
-from txn_core.tables import open_existing, open_or_create
+from txn_core.tables import check_topic_table, open_existing, open_or_create
 from txn_core.vocabulary import ConsumeResult
 
 __all__ = [
@@ -760,12 +760,12 @@ class Consumer:
             return self._topic_table
         uri = topic_path(self.warehouse, self.topic)
         try:
-            self._topic_table = DeltaTable(
-                uri, storage_options=options_for(uri, self._storage_options)
-            )
+            table = DeltaTable(uri, storage_options=options_for(uri, self._storage_options))
         except TableNotFoundError:
             return None  # nothing delivered to the topic yet
-        return self._topic_table
+        check_topic_table(table, self.topic)
+        self._topic_table = table
+        return table
 
     def _read(self, table: DeltaTable, max_messages: int, skip: Collection[int]) -> pa.Table:
         """The next batch of each queue held but `skip`, and the first message

@@ -65,6 +65,31 @@ class MissingTableError(RuntimeError):
     """A table the caller needs does not exist (and may not be created here)."""
 
 
+class SharedTopicTableError(RuntimeError):
+    """Two topics' names lead to one table: the warehouse's file system does
+    not tell them apart (`ORDER` and `Order` where case is ignored)."""
+
+
+def check_topic_table(table: DeltaTable, topic: str) -> None:
+    """Refuse `table` as `topic`'s when it was made for another topic.
+
+    The job names each topic table after its topic when it creates it; a
+    table made by an earlier release has no name and passes. On a file
+    system that ignores case (macOS's and Windows' default), `topics/Order`
+    is `topics/ORDER`, and two topics' messages would share one table and
+    one range of offsets.
+    """
+    name = table.metadata().name
+    if name is not None and name != topic:
+        raise SharedTopicTableError(
+            f"topic {topic!r} would use the table of topic {name!r} ({table.table_uri}): "
+            "the warehouse's file system does not tell the two names apart (macOS and "
+            "Windows ignore case by default). Nothing of it was read or delivered; put "
+            "the warehouse on a case-sensitive file system or an object store "
+            "(docs/operating.md, \"The warehouse's path, and each topic's directory\")"
+        )
+
+
 def open_or_create(
     warehouse: str,
     table: TableSchema,

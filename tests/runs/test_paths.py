@@ -28,8 +28,11 @@ from txn_core import (
 )
 from txn_core.config import ConfigError, load_config
 from txn_core.consumer import read_topic
+from txn_core.tables import SharedTopicTableError
 
-TOPICS = ("ORDER", "pay|eu", "a%41", "rate%", "x%7C|y")
+#: RocketMQ's longest topic name, every character escaped in its directory
+LONGEST = ("%|" * 64)[:127]
+TOPICS = ("ORDER", "pay|eu", "a%41", "rate%", "x%7C|y", LONGEST)
 
 
 class Unknown(TransactionListener):
@@ -46,9 +49,10 @@ def _now() -> int:
 
 def test_each_topic_has_a_directory_of_its_own_that_names_it_back():
     directories = [topic_directory(t) for t in TOPICS]
-    assert directories == ["ORDER", "pay~7Ceu", "a~2541", "rate~25", "x~257C~7Cy"]
+    assert directories[:5] == ["ORDER", "pay~beu", "a~p41", "rate~p", "x~p7C~by"]
+    assert len(directories[5].encode()) == 254  # a file name holds 255 bytes
     assert [topic_of_directory(d) for d in directories] == list(TOPICS)
-    assert topic_path("/wh/", "pay|eu") == "/wh/topics/pay~7Ceu"
+    assert topic_path("/wh/", "pay|eu") == "/wh/topics/pay~beu"
 
 
 @pytest.mark.parametrize("passes", ["a small run's", "a big run's"])
@@ -101,6 +105,47 @@ def test_a_warehouse_path_with_spaces_and_topics_with_percent_and_pipe(
     assert [r["body"] for r in read_topic(warehouse, "x%7C|y")] == [b"x%7C|y"]
     assert DeltaTable(topic_path(warehouse, "rate%")).version() >= 1
     assert len(staged) == (2 if passes == "a big run's" else 0)  # both runs deliver
+
+
+@pytest.mark.parametrize(
+    "first, second, in_one_run",
+    [("Order", "ORDER", False), ("ORDER", "Order", True)],  # in one run: in order
+)
+def test_two_topics_a_case_blind_file_system_gives_one_directory_stop_the_run(
+    spark, tmp_path, first, second, in_one_run
+):
+    """On macOS's and Windows' default file systems `topics/ORDER` is
+    `topics/Order`: the two topics' messages would share one table and one
+    range of offsets. A link from the second name to the first's directory
+    makes that here. The run stops with an error naming both and delivers
+    nothing into the other's table; once the warehouse can tell them apart
+    the next run delivers everything (nothing lost)."""
+    warehouse = str(tmp_path / "wh")
+    cfg = {"warehouse": warehouse}
+    os.makedirs(os.path.join(warehouse, "topics", first))
+    os.symlink(first, os.path.join(warehouse, "topics", second))
+    with Broker.open(warehouse) as broker:
+        producer = Producer(broker, "order_group")
+        producer.send(Message(topic=first, body=b"first"))
+        if not in_one_run:
+            assert reconcile(spark, cfg, now_ms=_now()).delivered_by_topic == {first: 1}
+        producer.send(Message(topic=second, body=b"second"))
+
+    refused = f"topic {second!r} would use the table of topic {first!r}"
+    with pytest.raises(SharedTopicTableError, match=refused):
+        reconcile(spark, cfg, now_ms=_now())
+    assert [r["body"] for r in read_topic(warehouse, first)] == ([] if in_one_run else [b"first"])
+    with pytest.raises(SharedTopicTableError, match=refused):
+        read_topic(warehouse, second)
+    with pytest.raises(SharedTopicTableError, match=refused):
+        Consumer(warehouse, "billing", second).poll(10)
+
+    os.unlink(os.path.join(warehouse, "topics", second))  # a case-sensitive home
+    reconcile(spark, cfg, now_ms=_now())
+    assert [r["body"] for r in read_topic(warehouse, first)] == [b"first"]
+    assert [r["body"] for r in read_topic(warehouse, second)] == [b"second"]
+    report = verify(spark, cfg)
+    assert report.ok, report.render()
 
 
 @pytest.mark.parametrize(
