@@ -20,6 +20,7 @@ from txn_core.consumer_group import (
 )
 from txn_core.errors import (
     BrokerClosedError,
+    ForkedProcessError,
     MessageValidationError,
     NoListenerError,
     PersistError,
@@ -49,6 +50,7 @@ __all__ = [
     "ConsumerClosedError",
     "CorruptMembershipError",
     "CorruptOffsetError",
+    "ForkedProcessError",
     "LocalTransactionState",
     "Message",
     "MessageType",

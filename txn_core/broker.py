@@ -22,6 +22,7 @@ from deltalake import DeltaTable
 
 from schemas import HALF, OP, TableSchema, table_path
 from schemas.arrow import arrow_schema
+from txn_core import forks
 from txn_core.config import Config, absolute_warehouse
 from txn_core.errors import BrokerClosedError, PersistError
 from txn_core.group_commit import AFTER_STAMP, Columns, DirectWriter, GroupCommitWriter, WriterStats
@@ -119,6 +120,7 @@ class Broker:
         Before anything is written, an object store is checked once per
         process (`txn_core.storage`): StorageError names what is wrong.
         """
+        forks.note_use("Broker.open")
         if isinstance(warehouse, Config):
             config, warehouse = warehouse, warehouse.warehouse
         if config is None:
@@ -290,6 +292,7 @@ class Broker:
 
     def find_half(self, transaction_id: str) -> dict[str, Any]:
         """The half row of `transaction_id` (a full scan: for operators, not hot paths)."""
+        forks.check("Broker.find_half")
         # Its own handle: the writer's belongs to the writer thread.
         table = DeltaTable(
             table_path(self.warehouse, HALF),
@@ -323,6 +326,8 @@ class Broker:
             if self._closed:
                 return
             self._closed = True
+        if forks.forked():
+            return  # what is queued is the parent's to commit, and its threads are there
         self._half.close()
         self._op.close()
 
@@ -333,6 +338,7 @@ class Broker:
         self.close()
 
     def _check_open(self) -> None:
+        forks.check("this Broker")
         if self._closed:
             raise BrokerClosedError("the broker is closed")
 

@@ -19,6 +19,7 @@ from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
 from schemas import topic_path
+from txn_core import forks
 from txn_core.config import Config, ConfigError
 from txn_core.message import validate_topic
 from txn_core.storage import Storage, options_for, use
@@ -40,6 +41,7 @@ def read_topic(
     settings come with it). Raises MissingTableError when nothing was ever
     delivered to the topic.
     """
+    forks.note_use("read_topic")
     validate_topic(topic)
     from_queue_offset = _non_negative("from_queue_offset", from_queue_offset)
     if queue_id is not None:

@@ -51,6 +51,7 @@ from deltalake.exceptions import CommitFailedError, TableNotFoundError
 
 from schemas import CONSUMER_MEMBERS, CONSUMER_OFFSETS, DLQ, TOPIC, table_path, topic_path
 from schemas.arrow import arrow_schema
+from txn_core import forks
 from txn_core.config import Config, ConfigError, absolute_warehouse
 from txn_core.errors import BrokerClosedError, MessageValidationError, TxnError
 from txn_core.message import validate_topic
@@ -426,6 +427,7 @@ class Consumer:
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
         member_timeout_s: float = MEMBER_TIMEOUT_S,
     ):
+        forks.note_use("Consumer")
         self.group = validate_consumer_group(group)
         self.topic = _valid_topic(topic)
         if not callable(clock):
@@ -525,8 +527,8 @@ class Consumer:
         self._closed = True
         self._held.clear()
         self._position.clear()
-        if self._heartbeat_ms is None:
-            return  # never joined
+        if self._heartbeat_ms is None or forks.forked():
+            return  # never joined, or joined by the process this one was forked from
         try:
             self._write_member_row(self._now_ms(), [], leaving=True)
         except Exception:  # noqa: BLE001 - the timeout hands the queues over instead
@@ -540,6 +542,7 @@ class Consumer:
             )
 
     def _check_open(self) -> None:
+        forks.check("this Consumer")
         if self._closed:
             raise ConsumerClosedError(
                 f"the consumer of group {self.group!r} on topic {self.topic!r} is closed"

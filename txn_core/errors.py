@@ -29,3 +29,8 @@ class PersistError(TxnError):
 
 class BrokerClosedError(TxnError):
     """The broker (or producer) was closed."""
+
+
+class ForkedProcessError(TxnError, RuntimeError):
+    """The broker core was used in a process forked from one that had
+    already used it (`txn_core.forks`): delta-rs cannot run there."""

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Self
 
+from txn_core import forks
 from txn_core.broker import Broker, StoredMessages
 from txn_core.checks import CheckAnswerer
 from txn_core.errors import NoListenerError, PersistError
@@ -225,6 +226,7 @@ class TransactionProducer(Producer):
 
     def answer_checks(self) -> int:
         """One pass over this group's open check requests; returns how many were answered."""
+        forks.check("TransactionProducer.answer_checks")
         self._require_listener()  # the answerer calls self._check_state, which uses it
         with self._checks_lock:
             return self._checks.poll()
