@@ -43,9 +43,10 @@ _S3_PREFIX_RE = re.compile(r"^[A-Za-z0-9/!_.'()-]*$")
 def absolute_warehouse(warehouse: str) -> str:
     """The warehouse in the one form both engines are given.
 
-    A local path becomes absolute: Spark's Delta table builder reads a relative
-    location such as `./warehouse/_sys/runs` as a table name, and a relative
-    path would mean another place for every process started elsewhere. An S3
+    A local path becomes absolute (and `~` its user's home): Spark's Delta
+    table builder reads a relative location such as `./warehouse/_sys/runs`
+    as a table name, and a relative path would mean another place for every
+    process started elsewhere (a literal `~` directory too). An S3
     URI becomes `s3a://bucket/prefix`, which delta-rs and Spark's s3a
     connector both read. Any other scheme is refused, and so is a path with
     one of `WAREHOUSE_FORBIDDEN_CHARACTERS` (spaces and other characters
@@ -62,7 +63,14 @@ def absolute_warehouse(warehouse: str) -> str:
             + " ".join(WAREHOUSE_FORBIDDEN_CHARACTERS)
         )
     if "://" not in warehouse:
-        return os.path.abspath(warehouse)
+        # `~/wh` in a TOML file or a quoted variable: a shell would have expanded it
+        local = os.path.expanduser(warehouse)
+        if local.startswith("~"):
+            raise ConfigError(
+                f"warehouse {warehouse!r} names the home directory of a user this "
+                "machine does not have"
+            )
+        return os.path.abspath(local)
     scheme, rest = warehouse.split("://", 1)
     if scheme.lower() in S3_SCHEMES:
         bucket = rest.split("/", 1)[0]
@@ -318,9 +326,14 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
 def _from_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         with open(path, "rb") as fh:
-            data = tomllib.load(fh)
+            # a byte-order mark, as some Windows editors write, is no TOML
+            data = tomllib.loads(fh.read().decode("utf-8-sig"))
     except FileNotFoundError:
         raise ConfigError(f"configuration file {os.fspath(path)!r} does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"configuration file {os.fspath(path)!r} is not UTF-8 text (TOML must be): {exc}"
+        ) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(
             f"configuration file {os.fspath(path)!r} is not valid TOML: {exc}"

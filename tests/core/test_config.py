@@ -40,6 +40,27 @@ def test_a_relative_warehouse_becomes_absolute_and_an_s3_uri_one_for_both_engine
     )
 
 
+def test_a_warehouse_under_home_is_the_users_home_as_in_a_shell(tmp_path, monkeypatch):
+    """`warehouse = "~/wh"` in a TOML file was a directory named `~` under
+    each process's working directory: producers and the job started in
+    different places wrote to different warehouses."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    path = _toml(tmp_path, 'warehouse = "~/lakehouse/txn"\n')
+    assert load_config(path, env={}).warehouse == str(tmp_path / "home" / "lakehouse" / "txn")
+    with pytest.raises(ConfigError, match="home directory of a user this machine does not have"):
+        load_config(env={}, warehouse="~no-such-user-here/wh")
+
+
+def test_a_file_with_a_byte_order_mark_loads_and_one_not_utf8_is_named(tmp_path):
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbfcheck_max = 3\n")  # as some Windows editors save
+    assert load_config(path, env={}).check_max == 3
+    path.write_bytes(b"warehouse = '/caf\xe9'\n")  # Latin-1
+    with pytest.raises(ConfigError, match="bom.toml' is not UTF-8 text"):
+        load_config(path, env={})
+
+
 def test_precedence_flag_over_env_over_file(tmp_path):
     path = _toml(tmp_path, 'check_max = 3\ncheck_interval_ms = 10\nwarehouse = "/f"\n')
     env = {"TXN_CHECK_MAX": "4", "TXN_CHECK_INTERVAL_MS": "20"}
