@@ -189,8 +189,9 @@ def _cmd_run(args, cfg: Config) -> int:
     lease = None if args.dry_run else Lease(cfg.warehouse, cfg.lease_ttl_s).acquire()
     crashed = False
     try:
-        spark = _spark(short_lived=_predict_short(cfg, args.now_ms))
-        summary = reconcile(spark, cfg, args.now_ms, dry_run=args.dry_run, lease=lease)
+        with _finish_on_first_stop_signal():
+            spark = _spark(short_lived=_predict_short(cfg, args.now_ms))
+            summary = reconcile(spark, cfg, args.now_ms, dry_run=args.dry_run, lease=lease)
     except InjectedFault:
         crashed = True
         raise
@@ -199,6 +200,34 @@ def _cmd_run(args, cfg: Config) -> int:
             lease.release()
     print(summary.to_json(), flush=True)
     return EXIT_OK
+
+
+@contextlib.contextmanager
+def _finish_on_first_stop_signal():
+    """Within: a first SIGTERM or SIGINT lets the run under way finish (its
+    writes done, its lease released), as the continuous job does; a second
+    one ends the process at once, a crash the next run completes. Dying at
+    the first left the lease held, and a run from another host (an Airflow
+    worker) waited `lease_ttl_s` for it."""
+
+    def first(signum, _frame) -> None:
+        for stop in STOP_SIGNALS:
+            signal.signal(stop, signal.SIG_DFL)
+        print_error(
+            f"txn-reconcile: {signal.Signals(signum).name}: finishing the run under way, "
+            "then exiting (a second signal stops at once; the next run completes this one)"
+        )
+
+    before = {stop: signal.signal(stop, first) for stop in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for stop, handler in before.items():
+            signal.signal(stop, handler)
+
+
+#: the signals that stop a run (`_finish_on_first_stop_signal`) or the continuous job
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _run_continuously(args, cfg: Config) -> int:
@@ -211,7 +240,7 @@ def _run_continuously(args, cfg: Config) -> int:
         raise ConfigError(f"--max-runs must be a positive integer; got {args.max_runs}")
     every_s = parse_every(args.every)
     stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, lambda *_: stop.set())
     lease = Lease(cfg.warehouse, cfg.lease_ttl_s).acquire()  # before Spark: exit 75 at once
     crashed = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import time
@@ -168,6 +169,41 @@ def test_bad_environment_value_and_bad_arguments_exit_2(tmp_path, capsys):
     assert main(["run", "--warehouse", wh, "--now-ms", "-5"]) == 2
     assert "now-ms" in capsys.readouterr().err
     assert not os.path.exists(wh)
+
+
+@pytest.mark.parametrize("signals", ["term", "term-twice"])
+def test_a_stop_signal_lets_a_run_finish_and_release_its_lease_and_a_second_stops_it(
+    spark, warehouse, signals
+):
+    """A scheduler stops a run with SIGTERM (Airflow's timeout, `kill`).
+    The run used to die at once and keep its lease, which a run from
+    another host waited `lease_ttl_s` for. Now the first signal lets it
+    finish; a second ends it at once, and the next run completes it."""
+    halves = [fx.half(store_ms=0) for _ in range(3)]
+    fx.write_halves(warehouse, *halves)
+    fx.write_ops(warehouse, *(fx.op(h) for h in halves))
+    stopped = _cli(
+        "run",
+        "--warehouse",
+        warehouse,
+        "--now-ms",
+        "1000000",
+        env={"TXN_FAULT_AT": "after_intent", "TXN_FAULT_MODE": signals},
+    )
+    assert "SIGTERM: finishing the run under way" in stopped.stderr
+    lease = Lease(warehouse, ttl_s=600).current()
+    if signals == "term":
+        assert stopped.returncode == 0, stopped.stderr[-3000:]
+        assert json.loads(stopped.stdout.splitlines()[-1])["delivered_by_topic"] == {"ORDER": 3}
+        assert lease.action == "RELEASE"
+    else:
+        assert stopped.returncode == -signal.SIGTERM, stopped.stderr[-3000:]
+        assert lease.action != "RELEASE"
+        assert run_log.last_run(warehouse).status == "STARTED"
+        redone = reconcile(spark, {"warehouse": warehouse}, now_ms=2_000_000)
+        assert redone.delivered_by_topic == {}  # the redo delivered them, before this run
+    delivered = DeltaTable(os.path.join(warehouse, "topics", "ORDER")).to_pyarrow_table()
+    assert sorted(delivered["half_offset"].to_pylist()) == sorted(h["half_offset"] for h in halves)
 
 
 def test_python_dash_m_jobs_is_the_same_command_line():
