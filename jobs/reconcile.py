@@ -218,6 +218,9 @@ def _finish_on_first_stop_signal():
             "then exiting (a second signal stops at once; the next run completes this one)"
         )
 
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may handle signals (`main` called from another)
+        return
     before = {stop: signal.signal(stop, first) for stop in STOP_SIGNALS}
     try:
         yield
