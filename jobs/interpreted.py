@@ -15,6 +15,8 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from jobs.session import restore_settings
+
 log = logging.getLogger(__name__)
 
 #: a run reading at most this many rows (new half and OP rows, the pending
@@ -53,18 +55,12 @@ def interpreted_if_small(spark, rows: int | None) -> Iterator[bool]:
             spark.conf.set(key, value)
     except Exception as exc:  # noqa: BLE001 - a session that refuses them runs compiled
         log.info("running compiled: the session refused %s (%s)", sorted(INTERPRETED), exc)
-        _restore(spark, before)
+        restore_settings(spark, before)
         yield False
         return
     try:
         yield True
     finally:
-        _restore(spark, before)
+        restore_settings(spark, before)
 
 
-def _restore(spark, settings: dict[str, str | None]) -> None:
-    for key, value in settings.items():
-        if value is None:
-            spark.conf.unset(key)
-        else:
-            spark.conf.set(key, value)

@@ -25,7 +25,7 @@ from jobs.held import Held
 from jobs.interpreted import interpreted_if_small
 from jobs.lease import Lease
 from jobs.pipeline import Outputs, compute, write_outputs
-from jobs.session import use_warehouse
+from jobs.session import strict_reads, use_warehouse
 from jobs.writes import RunWrites
 from schemas import HALF, RUNS, table_path
 from txn_core.config import Config, ConfigError, as_config
@@ -385,7 +385,7 @@ def _execute(
         else None
     )
     small_run = interpreted_if_small(spark, _rows_read(wh, record, pending))
-    with appends.log_entries_kept(), small_run as small:
+    with appends.log_entries_kept(), strict_reads(spark), small_run as small:
         try:
             out = compute(spark, wh, record, rules, held, writes, small=small)
             if writes is not None:

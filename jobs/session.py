@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -342,6 +343,36 @@ def submit_packages(argv: list[str]) -> str:
     except ConfigError:
         return DELTA_JAR
     return f"{DELTA_JAR},{S3A_JAR}" if is_s3(warehouse) else DELTA_JAR
+
+
+#: settings a run and an audit hold, whatever the session had (a
+#: notebook's): a file the log names that Spark cannot read fails the read;
+#: skipped, its rows would be lost to every later run, and to `verify`
+STRICT_READS = {
+    "spark.sql.files.ignoreMissingFiles": "false",
+    "spark.sql.files.ignoreCorruptFiles": "false",
+}
+
+
+@contextmanager
+def strict_reads(spark) -> Iterator[None]:
+    """Within: the session holds `STRICT_READS`; its own values are put back after."""
+    before = {key: spark.conf.get(key, None) for key in STRICT_READS}
+    try:
+        for key, value in STRICT_READS.items():
+            spark.conf.set(key, value)
+        yield
+    finally:
+        restore_settings(spark, before)
+
+
+def restore_settings(spark, settings: Mapping[str, str | None]) -> None:
+    """Put the session's `settings` back (None: unset)."""
+    for key, value in settings.items():
+        if value is None:
+            spark.conf.unset(key)
+        else:
+            spark.conf.set(key, value)
 
 
 def use_warehouse(spark, config) -> str:

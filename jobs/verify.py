@@ -28,7 +28,7 @@ from pyspark.sql import functions as F
 from jobs import appends, inputs, job_tables
 from jobs.held import Held
 from jobs.local import local_frame
-from jobs.session import use_warehouse
+from jobs.session import strict_reads, use_warehouse
 from jobs.tagged_writes import TABLES_OPENED_AT_ONCE
 from schemas import HALF, OP, TOPIC, TableSchema, table_path, topic_of_directory, topic_path
 from schemas.spark import spark_schema
@@ -850,7 +850,8 @@ def verify(spark: SparkSession, config) -> VerifyReport:
     wh = use_warehouse(spark, as_config(config))
     held = Held()
     try:
-        return _audit(spark, wh, held.checkpoint)
+        with strict_reads(spark):
+            return _audit(spark, wh, held.checkpoint)
     finally:
         held.release()
 
