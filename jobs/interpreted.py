@@ -62,5 +62,3 @@ def interpreted_if_small(spark, rows: int | None) -> Iterator[bool]:
         yield True
     finally:
         restore_settings(spark, before)
-
-
