@@ -27,7 +27,7 @@ from txn_core.config import Config, absolute_warehouse
 from txn_core.errors import BrokerClosedError, PersistError
 from txn_core.group_commit import AFTER_STAMP, Columns, DirectWriter, GroupCommitWriter, WriterStats
 from txn_core.log_trim import job_cursor
-from txn_core.message import Message, delivery_times, validate_group
+from txn_core.message import Message, delivery_times, validate_group, validate_text
 from txn_core.offsets import OffsetAllocator, register_epoch
 from txn_core.storage import Storage, options_for, storage_for, use
 from txn_core.tables import ensure_broker_tables
@@ -243,6 +243,7 @@ class Broker:
             raise ValueError("transaction_id must be a non-empty string")
         if not isinstance(commit, bool):
             raise ValueError("commit must be True (commit) or False (rollback)")
+        _validate_remark(remark)
         half = self.find_half(transaction_id)
         if half["message_type"] == MessageType.NORMAL:
             raise ValueError(
@@ -283,6 +284,7 @@ class Broker:
         wanted = msg_id if msg_id is not None else transaction_id
         if not isinstance(wanted, str) or not wanted:
             raise ValueError("give the message's msg_id or transaction_id (a non-empty string)")
+        _validate_remark(remark)
         half = self.find_half(wanted)
         if half["deliver_at_ms"] is None or half["deliver_at_ms"] <= half["store_ms"]:
             raise ValueError(f"{wanted!r} is not a delayed message: nothing to cancel")
@@ -366,6 +368,14 @@ class Broker:
         ):
             return {}
         return {HALF.path: self._half.stats(), OP.path: self._op.stats()}
+
+
+def _validate_remark(remark: object) -> None:
+    """An operator's remark: a string UTF-8 can encode, or None."""
+    if remark is not None:
+        if not isinstance(remark, str):
+            raise ValueError(f"remark must be a string or None, got {type(remark).__name__}")
+        validate_text(remark, "remark")
 
 
 def new_message_ids(n: int) -> list[str]:

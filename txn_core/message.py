@@ -112,6 +112,21 @@ def _optional_str(value: object, field_name: str) -> None:
         )
 
 
+def validate_text(text: str, field_name: str) -> None:
+    """Refuse a string UTF-8 cannot encode (a lone surrogate, as
+    `surrogateescape` decoding leaves): the group commit would fail on it,
+    and with it every other sender's rows in the same commit."""
+    if not text.isascii():  # a flag CPython keeps: no scan for the common case
+        try:
+            text.encode()
+        except UnicodeEncodeError as exc:
+            raise MessageValidationError(
+                field_name,
+                f"holds {text[exc.start]!r} at position {exc.start}, which UTF-8 cannot "
+                "encode (a lone surrogate)",
+            ) from None
+
+
 def _int_field(value: object, field_name: str, low: int, high: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise MessageValidationError(field_name, f"must be an integer, got {type(value).__name__}")
@@ -146,10 +161,14 @@ def _validate_fields(msg: Message, max_body_bytes: int, in_batch: bool) -> int:
         raise MessageValidationError("body", "must not be empty")
     if size > max_body_bytes:
         raise MessageValidationError("body", f"is {size} bytes; the limit is {max_body_bytes}")
-    if msg.keys is not None and type(msg.keys) is not str:
-        _optional_str(msg.keys, "keys")
-    if msg.tags is not None and type(msg.tags) is not str:
-        _optional_str(msg.tags, "tags")
+    if msg.keys is not None:
+        if type(msg.keys) is not str:
+            _optional_str(msg.keys, "keys")
+        validate_text(msg.keys, "keys")
+    if msg.tags is not None:
+        if type(msg.tags) is not str:
+            _optional_str(msg.tags, "tags")
+        validate_text(msg.tags, "tags")
     if type(msg.queue_id) is not int or not 0 <= msg.queue_id < 2**31:
         _int_field(msg.queue_id, "queue_id", 0, 2**31 - 1)
     if msg.check_immunity_s is not None:
@@ -247,6 +266,7 @@ def _validate_properties(properties: object) -> None:
                 f"properties[{key!r}]", f"value must be a string, got {type(value).__name__}"
             )
         for text in (key, value):
+            validate_text(text, f"properties[{key!r}]")
             if any(sep in text for sep in _PROPERTY_SEPARATORS):
                 raise MessageValidationError(
                     f"properties[{key!r}]", "must not contain the control characters \\x01 or \\x02"

@@ -236,6 +236,12 @@ def test_batch_rules(producer, warehouse, batch, field):
         (dict(properties={"": "v"}), "properties"),
         (dict(properties={"k": 1}), "properties['k']"),
         (dict(properties={"k": "a\x01b"}), "properties['k']"),
+        # lone surrogates (`surrogateescape`): UTF-8 cannot encode them, and the
+        # group commit failed on them with every other sender's rows
+        (dict(keys="order-\udcff"), "keys"),
+        (dict(tags="\ud800"), "tags"),
+        (dict(properties={"k": "v\udcff"}), "properties['k']"),
+        (dict(properties={"k\udcff": "v"}), "properties['k\\udcff']"),
     ],
 )
 def test_bad_message_names_the_field_and_writes_nothing(warehouse, kwargs, field):
@@ -459,6 +465,19 @@ def test_a_plain_send_refuses_a_bad_delay_and_bad_fields_before_writing(broker, 
     with pytest.raises(MessageValidationError) as err:
         Producer(broker, "bad group")
     assert err.value.field == "producer_group"
+
+
+def test_an_operators_remark_utf8_cannot_encode_is_refused_before_writing(broker, warehouse):
+    receipt = Producer(broker, "order_group").send(
+        Message(topic="ORDER", body=b"x", delay_ms=60_000)
+    )
+    with pytest.raises(MessageValidationError, match="remark: holds"):
+        broker.cancel(receipt.msg_id, remark="ticket \udcff")
+    with pytest.raises(ValueError, match="remark must be a string"):
+        broker.cancel(receipt.msg_id, remark=42)
+    assert rows(warehouse, "_sys/op") == []
+    broker.cancel(receipt.msg_id, remark="ticket é-42")  # any text UTF-8 encodes
+    assert [r["remark"] for r in rows(warehouse, "_sys/op")] == ["ticket é-42"]
 
 
 def test_resolve_refuses_a_plain_message(broker, warehouse):
