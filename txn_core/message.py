@@ -161,14 +161,17 @@ def _validate_fields(msg: Message, max_body_bytes: int, in_batch: bool) -> int:
         raise MessageValidationError("body", "must not be empty")
     if size > max_body_bytes:
         raise MessageValidationError("body", f"is {size} bytes; the limit is {max_body_bytes}")
-    if msg.keys is not None:
-        if type(msg.keys) is not str:
-            _optional_str(msg.keys, "keys")
-        validate_text(msg.keys, "keys")
-    if msg.tags is not None:
-        if type(msg.tags) is not str:
-            _optional_str(msg.tags, "tags")
-        validate_text(msg.tags, "tags")
+    keys, tags = msg.keys, msg.tags
+    if keys is not None:
+        if type(keys) is not str:
+            _optional_str(keys, "keys")
+        if not keys.isascii():
+            validate_text(keys, "keys")
+    if tags is not None:
+        if type(tags) is not str:
+            _optional_str(tags, "tags")
+        if not tags.isascii():
+            validate_text(tags, "tags")
     if type(msg.queue_id) is not int or not 0 <= msg.queue_id < 2**31:
         _int_field(msg.queue_id, "queue_id", 0, 2**31 - 1)
     if msg.check_immunity_s is not None:
