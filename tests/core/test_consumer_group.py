@@ -90,9 +90,35 @@ def test_a_poll_opens_only_the_files_that_may_hold_its_next_offsets(warehouse):
         read_topic(warehouse, "ORDER")
 
 
+def test_a_page_of_a_queue_opens_only_the_files_that_may_hold_it(warehouse):
+    """`read_topic(..., limit=N)` read every row from its offset on, then
+    kept N: a consumer paging through a backlog read the whole backlog at
+    every page."""
+    for topic in ("ORDER", "PAY"):
+        for first in range(0, 9, 3):
+            deliver(warehouse, topic, q0=range(first, first + 3))
+    page = read_topic(warehouse, "ORDER", queue_id=0, from_queue_offset=1, limit=4)
+    assert [r["queue_offset"] for r in page] == [1, 2, 3, 4]
+    end = read_topic(warehouse, "ORDER", queue_id=0, from_queue_offset=7, limit=5)
+    assert [r["queue_offset"] for r in end] == [7, 8]  # fewer than asked: the queue's end
+    DeltaTable(topic_path(warehouse, "PAY")).delete("queue_offset IN (3, 4)")
+    after_gap = read_topic(warehouse, "PAY", queue_id=0, from_queue_offset=3, limit=2)
+    assert [r["queue_offset"] for r in after_gap] == [5, 6]  # rows someone deleted: read on
+
+    table = topic_path(warehouse, "ORDER")
+    for action in pa.table(DeltaTable(table).get_add_actions(flatten=True)).to_pylist():
+        if action["min.queue_offset"] >= 3:
+            os.remove(os.path.join(table, action["path"]))  # gone: a read opening it fails
+    first_page = read_topic(warehouse, "ORDER", queue_id=0, from_queue_offset=0, limit=3)
+    assert [r["queue_offset"] for r in first_page] == [0, 1, 2]
+    with pytest.raises(OSError):
+        read_topic(warehouse, "ORDER", queue_id=0, from_queue_offset=0, limit=4)
+
+
 @pytest.mark.parametrize(
     "kwargs, problem",
     [
+        ({"limit": -1}, "limit must be a non-negative integer; got -1"),
         ({"from_queue_offset": -1}, "from_queue_offset must be a non-negative integer; got -1"),
         ({"from_queue_offset": "5"}, "from_queue_offset must be a non-negative integer; got '5'"),
         ({"queue_id": 1.0}, "queue_id must be a non-negative integer; got 1.0"),
