@@ -1063,8 +1063,9 @@ class PushConsumer:
             except ConsumerClosedError:
                 return
             # A store that fails now may answer in the next round; the
-            # committed offsets make a round safe to repeat.
-            except Exception as exc:  # noqa: BLE001
+            # committed offsets make a round safe to repeat. (BaseException:
+            # delta-rs' panics are one; a thread ended by one stops silently.)
+            except BaseException as exc:  # noqa: BLE001
                 self.last_error = exc
                 _log.exception("push consumer %s/%s: round failed", self.group, self.topic)
                 delivered = 0
@@ -1108,7 +1109,10 @@ class PushConsumer:
         backoff like any other, never an error that redelivers at once."""
         try:
             result = self._listener(message)
-        except Exception as exc:  # noqa: BLE001 - a failing listener is a reconsume
+        # A failing listener is a reconsume, whatever it raised (RocketMQ
+        # catches Throwable): a `sys.exit()` or a Rust library's panic ended
+        # the push thread, and with it the group's consuming, silently.
+        except BaseException as exc:  # noqa: BLE001
             return f"{type(exc).__name__}: {_text(str, exc)}"
         if isinstance(result, str):
             if result == ConsumeResult.SUCCESS:

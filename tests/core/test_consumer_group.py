@@ -299,7 +299,7 @@ class Listener:
         self.calls.append((*key, message.reconsume_times))
         queued = self.answers.get(key)
         answer = queued.pop(0) if queued else ConsumeResult.SUCCESS
-        if isinstance(answer, Exception):
+        if isinstance(answer, BaseException):
             raise answer
         return answer
 
@@ -342,18 +342,53 @@ def test_reconsume_later_is_retried_when_due_and_holds_back_its_queue_only(wareh
     assert push.consumer.committed() == {0: 3, 1: 3}
 
 
-def test_a_listener_that_raises_is_a_reconsume_with_its_reason(warehouse):
+class Panic(BaseException):
+    """What a Rust library's panic raises in Python (pyo3's PanicException)."""
+
+
+@pytest.mark.parametrize(
+    "raised, reason",
+    [
+        (ValueError("no such account"), "ValueError: no such account"),
+        # not Exceptions: they ended the push consumer's thread, silently
+        (SystemExit("a library called sys.exit"), "SystemExit: a library called sys.exit"),
+        (Panic("index out of bounds"), "Panic: index out of bounds"),
+    ],
+)
+def test_a_listener_that_raises_is_a_reconsume_with_its_reason(warehouse, raised, reason):
     deliver(warehouse, q0=range(2))
     clock = Clock()
-    listener = Listener({(0, 0): [ValueError("no such account")] * 5})
+    listener = Listener({(0, 0): [raised] * 5})
     push = PushConsumer(warehouse, GROUP, "ORDER", listener, max_reconsume_times=1, clock=clock)
     push.consume_once()
     clock.advance(retry_delay_s(1))
     push.consume_once()
 
     (dead,) = dead_letters(warehouse)
-    assert dead["reason"] == "ValueError: no such account"
+    assert dead["reason"] == reason
     assert listener.calls == [(0, 0, 0), (0, 0, 1), (0, 1, 0)]
+
+
+def test_a_push_consumers_thread_outlives_a_round_that_panics(warehouse):
+    deliver(warehouse, q0=range(2))
+    push = PushConsumer(warehouse, GROUP, "ORDER", Listener({}))
+    rounds, again = [], threading.Event()
+    consume_once = push.consume_once
+
+    def round_() -> int:
+        rounds.append(1)
+        if len(rounds) == 1:
+            raise Panic("in delta-rs")
+        again.set()
+        return consume_once()
+
+    push.consume_once = round_
+    push.start()
+    try:
+        assert again.wait(timeout=30)  # the thread went on to the next round
+    finally:
+        push.shutdown()
+    assert isinstance(push.last_error, Panic)
 
 
 class Ambiguous:
