@@ -197,14 +197,27 @@ def _run_check(
 ) -> tuple[LocalTransactionState, str | None]:
     try:
         state = check(msg)
-    except Exception as exc:  # noqa: BLE001 - a listener's failure is an ERROR answer
-        return LocalTransactionState.UNKNOWN, f"{type(exc).__name__}: {exc}"
+    except KeyboardInterrupt:  # Ctrl-C in a caller's answer_checks
+        raise
+    # A listener's failure is an ERROR answer, whatever it raised: a
+    # `sys.exit()` or a Rust library's panic (not Exceptions) ended the
+    # checker thread silently, and the group's messages went unanswered
+    # until the job discarded them.
+    except BaseException as exc:  # noqa: BLE001
+        return LocalTransactionState.UNKNOWN, f"{type(exc).__name__}: {_text(exc)}"
     if state is None:
         return LocalTransactionState.UNKNOWN, None
     try:
         return LocalTransactionState(state), None
     except ValueError:
         return LocalTransactionState.UNKNOWN, f"check_local_transaction returned {state!r}"
+
+
+def _text(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - an exception that cannot say what it is
+        return f"<unprintable {type(exc).__name__}>"
 
 
 def _normalise(table: pa.Table, like: TableSchema = CHECK_REQUESTS) -> pa.Table:

@@ -1109,6 +1109,8 @@ class PushConsumer:
         backoff like any other, never an error that redelivers at once."""
         try:
             result = self._listener(message)
+        except KeyboardInterrupt:  # Ctrl-C in a caller's consume_once loop
+            raise
         # A failing listener is a reconsume, whatever it raised (RocketMQ
         # catches Throwable): a `sys.exit()` or a Rust library's panic ended
         # the push thread, and with it the group's consuming, silently.

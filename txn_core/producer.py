@@ -246,7 +246,8 @@ class TransactionProducer(Producer):
         while not self._stop.is_set():
             try:
                 self.answer_checks()
-            except Exception:
+            # BaseException: a thread ended by one stops answering, silently
+            except BaseException:
                 log.exception("answering checks for group %s failed", self.group)
             self._stop.wait(poll_s)
 

@@ -4,6 +4,7 @@ import multiprocessing
 import threading
 
 import pyarrow as pa
+import pytest
 from deltalake import DeltaTable, write_deltalake
 
 from schemas import CHECK_REQUESTS
@@ -168,6 +169,44 @@ def test_two_processes_of_one_group_answer_each_request_once(warehouse):
     assert sorted(a["request_id"] for a in answers) == sorted(ids)
     ops = table_rows(warehouse, "_sys/op")
     assert len(ops) == 20 and len({o["half_offset"] for o in ops}) == 20
+
+
+class Panic(BaseException):
+    """What a Rust library's panic raises in Python (pyo3's PanicException)."""
+
+
+@pytest.mark.parametrize("raised", [SystemExit("sys.exit in a library"), Panic("unwrap on None")])
+def test_a_check_that_raises_what_is_no_exception_is_an_error_answer(warehouse, raised):
+    with Broker.open(warehouse) as broker:
+        producer = TransactionProducer(broker, "g", Answers({"e": raised, "c": COMMIT}))
+        request_rows(warehouse, send_unknown(producer, ["e", "c"]), "g")
+        assert producer.answer_checks() == 2
+    answers = {a["answer"]: a for a in table_rows(warehouse, "_sys/check_answers")}
+    assert set(answers) == {"ERROR", "COMMIT"}
+    assert answers["ERROR"]["error"] == f"{type(raised).__name__}: {raised}"
+
+
+def test_the_background_checker_outlives_a_round_that_panics(warehouse):
+    """Its thread ended at anything but an Exception, silently: the group's
+    messages then went unanswered until the job discarded them."""
+    rounds, again = [], threading.Event()
+    with Broker.open(warehouse) as broker:
+        producer = TransactionProducer(broker, "g", Answers())
+        answer_checks = producer.answer_checks
+
+        def round_() -> int:
+            rounds.append(1)
+            if len(rounds) == 1:
+                raise Panic("in delta-rs")
+            again.set()
+            return answer_checks()
+
+        producer.answer_checks = round_
+        producer.start_checker(poll_s=0.01)
+        try:
+            assert again.wait(timeout=30)
+        finally:
+            producer.close()
 
 
 def test_start_checker_answers_in_the_background(warehouse):
