@@ -49,7 +49,7 @@ import pyarrow.compute as pc
 from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
 
-from schemas import CONSUMER_MEMBERS, CONSUMER_OFFSETS, DLQ, TOPIC, table_path, topic_path
+from schemas import CONSUMER_MEMBERS, CONSUMER_OFFSETS, DLQ, HALF, TOPIC, table_path, topic_path
 from schemas.arrow import arrow_schema
 from txn_core import forks
 from txn_core.config import Config, ConfigError, absolute_warehouse
@@ -440,6 +440,16 @@ class Consumer:
         self.warehouse = _resolve_warehouse(warehouse)
         self._clock = clock
         self._storage_options = storage_options
+        half = table_path(self.warehouse, HALF)
+        if not DeltaTable.is_deltatable(half, options_for(half, storage_options)):
+            _log.warning(  # a typo in a path: a consumer that reads nothing, ever
+                "consumer %s/%s: no warehouse at %s yet (it has no %s); it reads nothing "
+                "until producers and the job use it: check the path if you expected one",
+                self.group,
+                self.topic,
+                self.warehouse,
+                HALF.path,
+            )
         # The group's newest committed (committed_ms, next_offset) per queue, as known here.
         self._newest = _read_committed(self.warehouse, self.group, self.topic, storage_options)
         self._committed = {queue_id: key[1] for queue_id, key in self._newest.items()}

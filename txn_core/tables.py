@@ -146,7 +146,16 @@ def ensure_broker_tables(
     keyed by path."""
     tables = {}
     for t in BROKER_TABLES:
-        table = open_or_create(warehouse, t, storage_options=storage_options)
+        table = open_existing(warehouse, t, storage_options)
+        if table is None:
+            if t == HALF:  # a typo in a path makes a warehouse nobody else reads
+                log.warning(
+                    "creating a new warehouse at %s (it has no %s): if producers and the "
+                    "job should share an existing one, check the warehouse setting",
+                    warehouse,
+                    HALF.path,
+                )
+            table = open_or_create(warehouse, t, storage_options=storage_options)
         add_missing_columns(table, t)
         tables[t.path] = table
     return tables

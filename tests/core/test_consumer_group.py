@@ -15,6 +15,7 @@ from deltalake import DeltaTable, write_deltalake
 from schemas import CONSUMER_OFFSETS, dlq_path, table_path, topic_path
 from schemas.arrow import arrow_schema
 from txn_core import (
+    Broker,
     ConfigError,
     ConsumedMessage,
     Consumer,
@@ -88,6 +89,16 @@ def test_a_poll_opens_only_the_files_that_may_hold_its_next_offsets(warehouse):
     assert [(r["queue_id"], r["queue_offset"]) for r in later] == [(0, 6), (0, 7)]
     with pytest.raises(OSError):  # what a read of every file meets
         read_topic(warehouse, "ORDER")
+
+
+def test_a_consumer_of_a_path_with_no_warehouse_says_so(tmp_path, warehouse, caplog):
+    Broker.open(warehouse).close()
+    deliver(warehouse, q0=range(1))
+    with caplog.at_level("WARNING", logger="txn_core.consumer_group"):
+        Consumer(warehouse, GROUP, "ORDER").close()  # producers made it: nothing to say
+        assert Consumer(str(tmp_path / "wharehouse"), GROUP, "ORDER").poll() == []
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "txn_core.consumer_group"]
+    assert f"no warehouse at {tmp_path / 'wharehouse'} yet" in said
 
 
 def test_a_page_of_a_queue_opens_only_the_files_that_may_hold_it(warehouse):

@@ -518,3 +518,16 @@ def test_an_old_half_table_gains_the_new_column_when_a_broker_opens_it(warehouse
     assert by_offset[1]["message_type"] is None  # written before: a transactional half
     assert by_offset[receipt.half_offset]["message_type"] == "NORMAL"
     assert version(warehouse, "_sys/half") == migrated + 1  # the second open added nothing
+
+
+def test_opening_a_path_with_no_warehouse_says_it_creates_one(tmp_path, caplog):
+    """A typo in the warehouse path made a new warehouse that no job reads,
+    and nothing said so."""
+    with caplog.at_level("WARNING", logger="txn_core.tables"):
+        Broker.open(str(tmp_path / "wharehouse")).close()
+        Broker.open(str(tmp_path / "wharehouse")).close()  # exists now: nothing to say
+    created = [r.getMessage() for r in caplog.records if "creating a new warehouse" in r.message]
+    assert created == [
+        f"creating a new warehouse at {tmp_path / 'wharehouse'} (it has no _sys/half): if "
+        "producers and the job should share an existing one, check the warehouse setting"
+    ]
