@@ -91,6 +91,47 @@ def test_a_poll_opens_only_the_files_that_may_hold_its_next_offsets(warehouse):
         read_topic(warehouse, "ORDER")
 
 
+def test_a_poll_over_many_queues_reads_one_band_and_loses_and_repeats_nothing(
+    warehouse, monkeypatch
+):
+    """A term per queue in the scan's filter made a poll over 1,000 queues
+    take a second, over 5,000 eighteen, and 50,000 crash the process; past
+    PER_QUEUE_READ_MAX queues one band of offsets is read and split."""
+    from txn_core import consumer_group
+
+    monkeypatch.setattr(consumer_group, "PER_QUEUE_READ_MAX", 2)
+    bands = []
+    read_band = Consumer._read_band
+    monkeypatch.setattr(
+        Consumer, "_read_band", lambda self, *a: bands.append(1) or read_band(self, *a)
+    )
+    deliver(warehouse, q0=range(5), q1=range(2), q3=range(7), q4=range(1))
+    consumer = Consumer(warehouse, GROUP, "ORDER")
+
+    def drain() -> list[tuple[int, int]]:
+        got = []
+        for _ in range(50):
+            batch = consumer.poll(4)
+            assert len(batch) <= 4
+            if not batch:
+                return got
+            got += offsets(batch)
+        raise AssertionError("never drained")
+
+    first = drain()
+    deliver(warehouse, q1=range(2, 4), q4=range(1, 3), q6=range(3))  # and a new queue
+    second = drain()
+    consumer.commit()
+
+    seen = first + second
+    assert len(seen) == len(set(seen)) == 5 + 4 + 7 + 3 + 3
+    for queue_id in (0, 1, 3, 4, 6):
+        mine = [offset for q, offset in seen if q == queue_id]
+        assert mine == list(range(len(mine))), (queue_id, mine)  # in order, none skipped
+    assert {q for q, _ in first[:4]} == {0, 1, 3, 4}  # the queues take turns
+    assert bands and consumer.committed() == {0: 5, 1: 4, 3: 7, 4: 3, 6: 3}
+
+
 def test_a_consumer_of_a_path_with_no_warehouse_says_so(tmp_path, warehouse, caplog):
     Broker.open(warehouse).close()
     deliver(warehouse, q0=range(1))
