@@ -21,7 +21,7 @@ from deltalake.exceptions import TableNotFoundError
 
 from schemas import topic_path
 from txn_core import forks
-from txn_core.config import Config, ConfigError
+from txn_core.config import Config, ConfigError, absolute_warehouse
 from txn_core.message import validate_topic
 from txn_core.storage import Storage, options_for, use
 from txn_core.tables import MissingTableError, check_topic_table
@@ -53,6 +53,8 @@ def read_topic(
         limit = _non_negative("limit", limit)
     if isinstance(warehouse, Config):
         warehouse = use(Storage.from_config(warehouse), check=False).warehouse
+    else:  # as producers and the job name it (`~`, a relative path, s3://)
+        warehouse = absolute_warehouse(warehouse)
     uri = topic_path(warehouse, topic)
     try:
         table = DeltaTable(uri, storage_options=options_for(uri, storage_options))

@@ -52,6 +52,22 @@ def test_a_warehouse_under_home_is_the_users_home_as_in_a_shell(tmp_path, monkey
         load_config(env={}, warehouse="~no-such-user-here/wh")
 
 
+def test_producers_and_consumers_find_a_warehouse_under_home_too(tmp_path, monkeypatch):
+    from txn_core import Broker, Consumer
+    from txn_core.consumer import read_topic
+
+    from factories import deliver
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    with Broker.open("~/wh") as broker:
+        assert broker.warehouse == str(tmp_path / "home" / "wh")
+    deliver(str(tmp_path / "home" / "wh"), q0=range(2))
+    assert [r["queue_offset"] for r in read_topic("~/wh", "ORDER")] == [0, 1]
+    assert len(Consumer("~/wh", "billing", "ORDER").poll(10)) == 2
+    assert not os.path.exists(tmp_path / "~")
+
+
 def test_a_file_with_a_byte_order_mark_loads_and_one_not_utf8_is_named(tmp_path):
     path = tmp_path / "bom.toml"
     path.write_bytes(b"\xef\xbb\xbfcheck_max = 3\n")  # as some Windows editors save
