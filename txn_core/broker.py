@@ -102,7 +102,7 @@ class Broker:
     @classmethod
     def open(
         cls,
-        warehouse: str | Config,
+        warehouse: str | os.PathLike[str] | Config,
         *,
         config: Config | None = None,
         clock: Callable[[], int] | None = None,
@@ -121,6 +121,8 @@ class Broker:
         process (`txn_core.storage`): StorageError names what is wrong.
         """
         forks.note_use("Broker.open")
+        if isinstance(warehouse, os.PathLike):
+            warehouse = os.fspath(warehouse)
         if isinstance(warehouse, Config):
             config, warehouse = warehouse, warehouse.warehouse
         if config is None:

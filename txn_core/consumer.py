@@ -12,6 +12,7 @@ reads each message once.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pyarrow as pa
@@ -28,7 +29,7 @@ from txn_core.tables import MissingTableError, check_topic_table
 
 
 def read_topic(
-    warehouse: str | Config,
+    warehouse: str | os.PathLike[str] | Config,
     topic: str,
     *,
     queue_id: int | None = None,
@@ -54,7 +55,7 @@ def read_topic(
     if isinstance(warehouse, Config):
         warehouse = use(Storage.from_config(warehouse), check=False).warehouse
     else:  # as producers and the job name it (`~`, a relative path, s3://)
-        warehouse = absolute_warehouse(warehouse)
+        warehouse = absolute_warehouse(os.fspath(warehouse))
     uri = topic_path(warehouse, topic)
     try:
         table = DeltaTable(uri, storage_options=options_for(uri, storage_options))

@@ -369,7 +369,9 @@ def _read_committed(
     return newest
 
 
-def _resolve_warehouse(warehouse: str | Config) -> str:
+def _resolve_warehouse(warehouse: str | os.PathLike[str] | Config) -> str:
+    if isinstance(warehouse, os.PathLike):
+        warehouse = os.fspath(warehouse)
     if isinstance(warehouse, Config):
         return use(Storage.from_config(warehouse), check=False).warehouse
     if not isinstance(warehouse, str) or not warehouse:
@@ -420,7 +422,7 @@ class Consumer:
 
     def __init__(
         self,
-        warehouse: str | Config,
+        warehouse: str | os.PathLike[str] | Config,
         group: str,
         topic: str,
         *,
@@ -994,7 +996,7 @@ class PushConsumer:
 
     def __init__(
         self,
-        warehouse: str | Config,
+        warehouse: str | os.PathLike[str] | Config,
         group: str,
         topic: str,
         listener: Listener,

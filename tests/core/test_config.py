@@ -68,6 +68,20 @@ def test_producers_and_consumers_find_a_warehouse_under_home_too(tmp_path, monke
     assert not os.path.exists(tmp_path / "~")
 
 
+def test_a_pathlib_path_names_a_warehouse_for_producers_and_consumers(tmp_path):
+    from txn_core import Broker, Consumer
+    from txn_core.consumer import read_topic
+
+    from factories import deliver
+
+    warehouse = tmp_path / "wh"
+    with Broker.open(warehouse) as broker:  # was refused, and read_topic's a TypeError
+        assert broker.warehouse == str(warehouse)
+    deliver(str(warehouse), q0=range(2))
+    assert [r["queue_offset"] for r in read_topic(warehouse, "ORDER")] == [0, 1]
+    assert len(Consumer(warehouse, "billing", "ORDER").poll(10)) == 2
+
+
 def test_a_file_with_a_byte_order_mark_loads_and_one_not_utf8_is_named(tmp_path):
     path = tmp_path / "bom.toml"
     path.write_bytes(b"\xef\xbb\xbfcheck_max = 3\n")  # as some Windows editors save
