@@ -191,7 +191,9 @@ class Lease:
                 except LeaseLost as exc:
                     log.warning("%s", exc)
                     return
-                except Exception as exc:  # noqa: BLE001 - reading the lease failed: retry
+                # reading the lease failed: retry (BaseException: a delta-rs panic
+                # ended this thread, and a long run then lost its lease)
+                except BaseException as exc:  # noqa: BLE001
                     log.warning("renewing the job's lease failed (%s); retrying", exc)
 
         thread = threading.Thread(target=beat, name="lease-renewal", daemon=True)

@@ -206,7 +206,8 @@ class WriterUpkeep:
             else:
                 table.load_as_version(version)
             return table
-        except Exception as exc:  # noqa: BLE001 - retried at the next round
+        # BaseException: delta-rs' panics are one, and would end the upkeep's thread
+        except BaseException as exc:  # noqa: BLE001 - retried at the next round
             if is_transient(exc):
                 self._retried()
                 log.debug("upkeep of %s met a changing log (%s); next round", self._name, exc)
@@ -228,7 +229,7 @@ class WriterUpkeep:
             assert self._table is not None  # opened by _loaded(), which the caller checked
             self._table.create_checkpoint()
             self.checkpoints += 1
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - a panic too (`_refreshed`)
             self._failed("checkpoint", exc, "next interval")
 
     def _compact(self, table: DeltaTable) -> None:
@@ -244,7 +245,7 @@ class WriterUpkeep:
             )
         except CommitFailedError as exc:
             log.info("compaction of %s lost a race (%s); next round", self._name, exc)
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - a panic too (`_refreshed`)
             self._failed("compaction", exc, "next round")
 
     def _clean_log(self) -> None:
@@ -261,10 +262,10 @@ class WriterUpkeep:
             floor = self._log_floor() if self._log_floor else None
             if floor is not None:
                 self.trimmed_entries += trim_log(self._table, floor)
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - a panic too (`_refreshed`)
             self._failed("log cleanup", exc, "next round")
 
-    def _failed(self, step: str, exc: Exception, retry: str) -> None:
+    def _failed(self, step: str, exc: BaseException, retry: str) -> None:
         """Log a failed upkeep `step`: a log others were changing meanwhile
         (`is_transient`, expected under load) is a retry counted in the
         writer's stats, anything else a warning with its traceback."""

@@ -224,6 +224,34 @@ def test_upkeep_retries_a_log_changing_under_it_quietly_and_counts_it(
     assert not caplog.records
 
 
+class Panic(BaseException):
+    """What a delta-rs panic raises in Python (pyo3's PanicException)."""
+
+
+def test_upkeep_outlives_a_panic_in_delta_rs(warehouse, monkeypatch):
+    """An upkeep step that panicked (not an Exception) ended the upkeep's
+    thread: no checkpoint, compaction or log clean-up after it, ever."""
+    import txn_core.writer_upkeep as upkeep_module
+
+    real, calls = upkeep_module.DeltaTable, []
+
+    class Panicking(real):
+        def create_checkpoint(self):
+            calls.append(1)
+            if len(calls) == 1:
+                raise Panic("called `Option::unwrap()` on a `None` value")
+            return super().create_checkpoint()
+
+    monkeypatch.setattr(upkeep_module, "DeltaTable", Panicking)
+    writer = open_writer(
+        warehouse, configuration={**PRODUCER_TABLE_CONFIG, "delta.checkpointInterval": "2"}
+    )
+    for o in range(6):  # checkpoints due at versions 1, 3, 5
+        writer.submit(op_rows([o])).result(10)
+    writer.close()
+    assert len(calls) >= 2 and writer.upkeep.checkpoints == len(calls) - 1
+
+
 def test_a_compaction_meeting_a_gap_in_the_log_is_retried_without_a_warning(
     warehouse, monkeypatch, caplog
 ):

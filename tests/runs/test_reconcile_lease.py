@@ -112,6 +112,28 @@ def test_a_working_run_renews_its_lease_in_the_background_until_it_is_taken_over
         mine.keep_alive()  # and every later write stops
 
 
+class Panic(BaseException):
+    """What a delta-rs panic raises in Python (pyo3's PanicException)."""
+
+
+def test_the_renewal_thread_outlives_a_panic_in_delta_rs(warehouse):
+    now = [1000.0]
+    mine = Lease(warehouse, ttl_s=30, clock=lambda: now[0]).acquire()
+    outcomes = _outcomes(mine)
+    observed = mine.keep_alive
+
+    def once_panicking() -> None:
+        if not getattr(once_panicking, "done", False):
+            once_panicking.done = True  # type: ignore[attr-defined]
+            raise Panic("called `Result::unwrap()` on an `Err` value")
+        observed()
+
+    mine.keep_alive = once_panicking
+    with mine.renewed(every_s=0.01):
+        now[0] += 11
+        assert outcomes.get(timeout=10) == "renewed"  # after the panic, the next beat
+
+
 def test_a_run_whose_lease_was_lost_writes_nothing(spark, warehouse):
     fx.write_halves(warehouse, fx.half(store_ms=0))
     lease = Lease(warehouse, ttl_s=600).acquire()
