@@ -16,7 +16,7 @@ import os
 import shutil
 import sys
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -354,12 +354,18 @@ STRICT_READS = {
 }
 
 
+def strict_reads(spark) -> AbstractContextManager[None]:
+    """Within: the session holds `STRICT_READS` (`settings_held`)."""
+    return settings_held(spark, STRICT_READS)
+
+
 @contextmanager
-def strict_reads(spark) -> Iterator[None]:
-    """Within: the session holds `STRICT_READS`; its own values are put back after."""
-    before = {key: spark.conf.get(key, None) for key in STRICT_READS}
+def settings_held(spark, settings: Mapping[str, str]) -> Iterator[None]:
+    """Within: the session holds `settings`; what it had is put back after
+    (a notebook's own values included)."""
+    before = {key: spark.conf.get(key, None) for key in settings}
     try:
-        for key, value in STRICT_READS.items():
+        for key, value in settings.items():
             spark.conf.set(key, value)
         yield
     finally:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
@@ -136,6 +138,26 @@ def op_rows(offsets: list[int]) -> dict[str, list]:
         "source": ["PRODUCER"] * n,
         "remark": [None] * n,
     }
+
+
+class Panic(BaseException):
+    """What a Rust library's panic raises in Python (pyo3's PanicException):
+    not an Exception, so a thread that catches only those ends at one."""
+
+
+def panicking_once(call: Callable[[], Any], next_call: threading.Event) -> Callable[[], Any]:
+    """`call`, except that its first call raises Panic; `next_call` is set
+    when a later one starts (a test waits on it, not on the clock)."""
+    calls = []
+
+    def once() -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise Panic("called `Option::unwrap()` on a `None` value")
+        next_call.set()
+        return call()
+
+    return once
 
 
 # --- topic rows, as the job delivers them (for consumers) ---

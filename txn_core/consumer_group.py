@@ -824,12 +824,12 @@ class Consumer:
         starts: list[int],
         max_messages: int,
     ) -> pa.Table:
-        """`_read` for many queues: a term per queue made the scan's filter
-        and the files' predicate grow with them (a poll over 1,000 queues took
-        a second, over 5,000 eighteen, and 50,000 crashed the process). One
-        band of offsets over all of them instead, each row then kept when in
-        its queue's own range, and as many of each queue as a poll can hand
-        out when the queues take turns (at least one each)."""
+        """`_read` for many queues, where a term per queue made the scan's
+        filter and the files' predicate grow with them until a poll took
+        seconds, then crashed (docs/performance.md). One band of offsets over
+        all of them instead, each row then kept when in its queue's own
+        range, and as many of each queue as a poll can hand out when the
+        queues take turns (at least one each)."""
         depth = max(1, -(-max_messages // len(held)))
         low, high = min(starts), max(starts) + depth
         queue, offset = pc.field("queue_id"), pc.field("queue_offset")

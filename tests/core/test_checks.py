@@ -18,6 +18,8 @@ from txn_core import (
 )
 from txn_core.tables import open_or_create
 
+from factories import Panic, panicking_once
+
 COMMIT = LocalTransactionState.COMMIT_MESSAGE
 ROLLBACK = LocalTransactionState.ROLLBACK_MESSAGE
 UNKNOWN = LocalTransactionState.UNKNOWN
@@ -171,10 +173,6 @@ def test_two_processes_of_one_group_answer_each_request_once(warehouse):
     assert len(ops) == 20 and len({o["half_offset"] for o in ops}) == 20
 
 
-class Panic(BaseException):
-    """What a Rust library's panic raises in Python (pyo3's PanicException)."""
-
-
 @pytest.mark.parametrize("raised", [SystemExit("sys.exit in a library"), Panic("unwrap on None")])
 def test_a_check_that_raises_what_is_no_exception_is_an_error_answer(warehouse, raised):
     with Broker.open(warehouse) as broker:
@@ -189,19 +187,10 @@ def test_a_check_that_raises_what_is_no_exception_is_an_error_answer(warehouse, 
 def test_the_background_checker_outlives_a_round_that_panics(warehouse):
     """Its thread ended at anything but an Exception, silently: the group's
     messages then went unanswered until the job discarded them."""
-    rounds, again = [], threading.Event()
+    again = threading.Event()
     with Broker.open(warehouse) as broker:
         producer = TransactionProducer(broker, "g", Answers())
-        answer_checks = producer.answer_checks
-
-        def round_() -> int:
-            rounds.append(1)
-            if len(rounds) == 1:
-                raise Panic("in delta-rs")
-            again.set()
-            return answer_checks()
-
-        producer.answer_checks = round_
+        producer.answer_checks = panicking_once(producer.answer_checks, again)
         producer.start_checker(poll_s=0.01)
         try:
             assert again.wait(timeout=30)

@@ -27,7 +27,7 @@ from txn_core import (
 from txn_core.consumer import read_topic
 from txn_core.consumer_group import read_committed_offsets, retry_delay_s
 
-from factories import Clock, deliver
+from factories import Clock, Panic, deliver, panicking_once
 
 GROUP = "billing"
 
@@ -94,9 +94,8 @@ def test_a_poll_opens_only_the_files_that_may_hold_its_next_offsets(warehouse):
 def test_a_poll_over_many_queues_reads_one_band_and_loses_and_repeats_nothing(
     warehouse, monkeypatch
 ):
-    """A term per queue in the scan's filter made a poll over 1,000 queues
-    take a second, over 5,000 eighteen, and 50,000 crash the process; past
-    PER_QUEUE_READ_MAX queues one band of offsets is read and split."""
+    """Past PER_QUEUE_READ_MAX queues one band of offsets is read and split
+    by queue (a term per queue in the scan made a poll slow, then crash)."""
     from txn_core import consumer_group
 
     monkeypatch.setattr(consumer_group, "PER_QUEUE_READ_MAX", 2)
@@ -394,10 +393,6 @@ def test_reconsume_later_is_retried_when_due_and_holds_back_its_queue_only(wareh
     assert push.consumer.committed() == {0: 3, 1: 3}
 
 
-class Panic(BaseException):
-    """What a Rust library's panic raises in Python (pyo3's PanicException)."""
-
-
 @pytest.mark.parametrize(
     "raised, reason",
     [
@@ -424,17 +419,8 @@ def test_a_listener_that_raises_is_a_reconsume_with_its_reason(warehouse, raised
 def test_a_push_consumers_thread_outlives_a_round_that_panics(warehouse):
     deliver(warehouse, q0=range(2))
     push = PushConsumer(warehouse, GROUP, "ORDER", Listener({}))
-    rounds, again = [], threading.Event()
-    consume_once = push.consume_once
-
-    def round_() -> int:
-        rounds.append(1)
-        if len(rounds) == 1:
-            raise Panic("in delta-rs")
-        again.set()
-        return consume_once()
-
-    push.consume_once = round_
+    again = threading.Event()
+    push.consume_once = panicking_once(push.consume_once, again)
     push.start()
     try:
         assert again.wait(timeout=30)  # the thread went on to the next round

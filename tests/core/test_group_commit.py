@@ -14,7 +14,7 @@ from txn_core import PersistError
 from txn_core.group_commit import GroupCommitWriter
 from txn_core.tables import PRODUCER_TABLE_CONFIG, open_or_create
 
-from factories import STORE_MS, op_rows
+from factories import STORE_MS, Panic, op_rows
 
 
 def open_writer(warehouse: str, configuration: dict | None = None, **kwargs) -> GroupCommitWriter:
@@ -222,10 +222,6 @@ def test_upkeep_retries_a_log_changing_under_it_quietly_and_counts_it(
     assert writer.stats().upkeep_retries == 1
     assert writer.upkeep.checkpoints == len(calls) - 1 >= 1
     assert not caplog.records
-
-
-class Panic(BaseException):
-    """What a delta-rs panic raises in Python (pyo3's PanicException)."""
 
 
 def test_upkeep_outlives_a_panic_in_delta_rs(warehouse, monkeypatch):

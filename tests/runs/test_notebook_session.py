@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
 
 import pytest
 
 from jobs import appends
 from jobs.reconcile import reconcile
+from jobs.session import settings_held
 from jobs.verify import verify
 from schemas import HALF, table_path
 from txn_core import (
@@ -42,21 +42,6 @@ NOTEBOOK = {
 }
 
 
-@contextmanager
-def notebook_settings(spark):
-    before = {key: spark.conf.get(key, None) for key in NOTEBOOK}
-    try:
-        for key, value in NOTEBOOK.items():
-            spark.conf.set(key, value)
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                spark.conf.unset(key)
-            else:
-                spark.conf.set(key, value)
-
-
 class ByBody(TransactionListener):
     """Commits `ok…`, rolls back `no…`, is unsure of `later…` until asked."""
 
@@ -81,7 +66,7 @@ def test_the_rules_hold_under_a_notebooks_settings(spark, warehouse):
             txn.send_message_in_transaction(Message(topic="ORDER", body=body), None)
         plain.send(Message(topic="ORDER", body=b"plain-1"))
         plain.send(Message(topic="PAY", body=b"plain-2", delay_ms=5_000))
-        with notebook_settings(spark):
+        with settings_held(spark, NOTEBOOK):
             first = reconcile(spark, cfg, now_ms=now + 1_000)
             second = reconcile(spark, cfg, now_ms=now + 10_000)  # the unsure one is checked
             assert txn.answer_checks() == 1
@@ -113,7 +98,7 @@ def test_a_file_a_run_cannot_read_fails_it_though_the_session_would_skip_it(
         fh.write(b"not parquet at all")
     monkeypatch.setattr(appends, "DRIVER_READ_MIN_FILES", 100)
 
-    with notebook_settings(spark):
+    with settings_held(spark, NOTEBOOK):
         with pytest.raises(Exception, match="(?i)not a parquet file"):
             reconcile(spark, {"warehouse": warehouse}, now_ms=1_000_000)
         assert spark.conf.get("spark.sql.files.ignoreCorruptFiles") == "true"

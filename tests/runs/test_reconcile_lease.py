@@ -8,6 +8,7 @@ import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -112,23 +113,11 @@ def test_a_working_run_renews_its_lease_in_the_background_until_it_is_taken_over
         mine.keep_alive()  # and every later write stops
 
 
-class Panic(BaseException):
-    """What a delta-rs panic raises in Python (pyo3's PanicException)."""
-
-
 def test_the_renewal_thread_outlives_a_panic_in_delta_rs(warehouse):
     now = [1000.0]
     mine = Lease(warehouse, ttl_s=30, clock=lambda: now[0]).acquire()
     outcomes = _outcomes(mine)
-    observed, beats = mine.keep_alive, []
-
-    def once_panicking() -> None:
-        beats.append(1)
-        if len(beats) == 1:
-            raise Panic("called `Result::unwrap()` on an `Err` value")
-        observed()
-
-    mine.keep_alive = once_panicking
+    mine.keep_alive = fx.panicking_once(mine.keep_alive, threading.Event())
     with mine.renewed(every_s=0.01):
         now[0] += 11
         assert outcomes.get(timeout=10) == "renewed"  # after the panic, the next beat
