@@ -16,6 +16,8 @@ from deltalake import DeltaTable, write_deltalake
 
 from schemas import CHECK_ANSWERS, HALF, OP, TOPIC, table_path, topic_path
 from schemas.arrow import arrow_schema
+from txn_core.message import LocalTransactionState
+from txn_core.producer import TransactionListener
 from txn_core.storage import options_for
 from txn_core.tables import ensure_broker_tables
 
@@ -138,6 +140,24 @@ def op_rows(offsets: list[int]) -> dict[str, list]:
         "source": ["PRODUCER"] * n,
         "remark": [None] * n,
     }
+
+
+class DecideByBody(TransactionListener):
+    """Decides each message by its body: b"commit…" commits, b"rollback…"
+    rolls back, anything else is UNKNOWN; a back-check answers `on_check`."""
+
+    def __init__(self, on_check: LocalTransactionState = LocalTransactionState.UNKNOWN):
+        self.on_check = on_check
+
+    def execute_local_transaction(self, msg, arg):
+        if msg.body.startswith(b"commit"):
+            return LocalTransactionState.COMMIT_MESSAGE
+        if msg.body.startswith(b"rollback"):
+            return LocalTransactionState.ROLLBACK_MESSAGE
+        return LocalTransactionState.UNKNOWN
+
+    def check_local_transaction(self, msg):
+        return self.on_check
 
 
 class Panic(BaseException):

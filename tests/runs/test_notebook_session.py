@@ -14,14 +14,7 @@ from jobs.reconcile import reconcile
 from jobs.session import settings_held
 from jobs.verify import verify
 from schemas import HALF, table_path
-from txn_core import (
-    Broker,
-    LocalTransactionState,
-    Message,
-    Producer,
-    TransactionListener,
-    TransactionProducer,
-)
+from txn_core import Broker, LocalTransactionState, Message, Producer, TransactionProducer
 from txn_core.consumer import read_topic
 
 import factories as fx
@@ -42,27 +35,15 @@ NOTEBOOK = {
 }
 
 
-class ByBody(TransactionListener):
-    """Commits `ok…`, rolls back `no…`, is unsure of `later…` until asked."""
-
-    def execute_local_transaction(self, msg, arg):
-        if msg.body.startswith(b"ok"):
-            return LocalTransactionState.COMMIT_MESSAGE
-        if msg.body.startswith(b"no"):
-            return LocalTransactionState.ROLLBACK_MESSAGE
-        return LocalTransactionState.UNKNOWN
-
-    def check_local_transaction(self, msg):
-        return LocalTransactionState.COMMIT_MESSAGE
-
-
 def test_the_rules_hold_under_a_notebooks_settings(spark, warehouse):
     now = time.time_ns() // 1_000_000
     cfg = {"warehouse": warehouse}
     with Broker.open(warehouse) as broker:
-        txn = TransactionProducer(broker, "order_group", ByBody())
+        txn = TransactionProducer(
+            broker, "order_group", fx.DecideByBody(on_check=LocalTransactionState.COMMIT_MESSAGE)
+        )
         plain = Producer(broker, "order_group")
-        for body in (b"ok-1", b"no-1", b"later-1", b"ok-2"):
+        for body in (b"commit-1", b"rollback-1", b"later-1", b"commit-2"):
             txn.send_message_in_transaction(Message(topic="ORDER", body=body), None)
         plain.send(Message(topic="ORDER", body=b"plain-1"))
         plain.send(Message(topic="PAY", body=b"plain-2", delay_ms=5_000))
@@ -79,7 +60,7 @@ def test_the_rules_hold_under_a_notebooks_settings(spark, warehouse):
     assert third.delivered_by_topic == {"ORDER": 1}
     assert report.ok, report.render()
     ordered = [(r["queue_offset"], r["body"]) for r in read_topic(warehouse, "ORDER")]
-    assert ordered == [(0, b"ok-1"), (1, b"ok-2"), (2, b"plain-1"), (3, b"later-1")]
+    assert ordered == [(0, b"commit-1"), (1, b"commit-2"), (2, b"plain-1"), (3, b"later-1")]
 
 
 def test_a_file_a_run_cannot_read_fails_it_though_the_session_would_skip_it(

@@ -14,15 +14,7 @@ from jobs.status import status
 from jobs.verify import verify
 from schemas import table_path, topic_path
 from schemas.tables import CHECK_REQUESTS, RESOLVED, SCHEDULED
-from txn_core import (
-    Broker,
-    Config,
-    LocalTransactionState,
-    Message,
-    Producer,
-    TransactionListener,
-    TransactionProducer,
-)
+from txn_core import Broker, Config, Message, Producer, TransactionProducer
 
 import factories as fx
 
@@ -160,20 +152,6 @@ def test_a_run_killed_at_a_scheduling_or_delivering_step_redoes_to_the_same_tabl
         assert fx.job_outputs(wh) == expected, crash
 
 
-class _Decide(TransactionListener):
-    """Decides each message by its body: b"commit…", b"rollback…", else UNKNOWN."""
-
-    def execute_local_transaction(self, msg, arg):
-        if msg.body.startswith(b"commit"):
-            return LocalTransactionState.COMMIT_MESSAGE
-        if msg.body.startswith(b"rollback"):
-            return LocalTransactionState.ROLLBACK_MESSAGE
-        return LocalTransactionState.UNKNOWN
-
-    def check_local_transaction(self, msg):
-        return LocalTransactionState.UNKNOWN
-
-
 def _requests(warehouse: str) -> list[int]:
     """The check_times of every check request, in order."""
     path = table_path(warehouse, CHECK_REQUESTS)
@@ -189,7 +167,7 @@ def test_a_delayed_transactional_message_is_delivered_at_its_time_iff_committed(
     cfg = {"warehouse": warehouse, "check_max": 1, "check_budget": "sent"}
     clock = Clock(T0)
     with Broker.open(Config(warehouse=warehouse), clock=clock) as broker:
-        producer = TransactionProducer(broker, "order_group", listener=_Decide())
+        producer = TransactionProducer(broker, "order_group", listener=fx.DecideByBody())
 
         def send(body: bytes, **delay) -> str:
             msg = Message(topic="ORDER", body=body, **delay)
