@@ -15,6 +15,7 @@ checkpoints stay with delta-rs (`checkpoint_due`). Figures: docs/performance.md.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
@@ -48,6 +49,12 @@ CONFLICT_RETRIES = 10
 class TableChanged(RuntimeError):
     """The table's protocol or metadata changed so that this appender may no
     longer write it; the caller goes on with delta-rs."""
+
+
+class EntryOutcomeUnknown(OSError):
+    """The store gave no answer to a put of a log entry, nor to the read
+    after it: the rows may be committed. Their file is kept (an entry may
+    reference it), and the send is reported failed."""
 
 
 def unsupported_reason(
@@ -141,6 +148,8 @@ class BlindAppender:
         try:
             entry = self._entry(data, name)
             return self._commit(entry, seq)
+        except EntryOutcomeUnknown:
+            raise  # the file stays: a committed entry may reference it
         except BaseException:
             self._store.remove(name)  # never referenced by a committed entry
             raise
@@ -193,7 +202,7 @@ class BlindAppender:
         try:
             while True:
                 version = self._next
-                if not self._store.put_entry(version, staged):
+                if not self._put_entry(version, staged, entry):
                     winner = self._store.read_entry(version)
                     if winner == entry:  # ours: a retried put whose answer was lost
                         return self._committed(version)
@@ -212,6 +221,27 @@ class BlindAppender:
                 return self._committed(version)
         finally:
             self._store.unstage(staged)
+
+    def _put_entry(self, version: int, staged: Staged, entry: bytes) -> bool:
+        """`put_entry`, where a put with no answer (its responses lost, the
+        client's retries spent) is settled by reading the entry back: it may
+        have been written. Not settled, it raises EntryOutcomeUnknown."""
+        try:
+            return self._store.put_entry(version, staged)
+        except Exception as exc:
+            status = _status(exc) if isinstance(getattr(exc, "response", None), dict) else None
+            if not self._store.remote or (status is not None and status < 500):
+                raise  # a local link happened or not; a 4xx refused the put
+            try:
+                written = self._store.read_entry(version)
+            except Exception:  # noqa: BLE001 - the store is still not answering
+                written = None
+            if written is not None:
+                return written == entry  # another's entry: ours cannot be there
+            raise EntryOutcomeUnknown(
+                f"{self._table.table_uri}: the store did not answer whether version "
+                f"{version} was written ({exc}); it may hold the rows"
+            ) from exc
 
     def _committed(self, version: int) -> int:
         self._next = version + 1
@@ -440,7 +470,14 @@ def _status(exc: Any) -> int | None:
 def _write_new_file(path: str, data: bytes | pa.Buffer) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        os.write(fd, data)
+        rest = memoryview(data).cast("B")
+        # A write may take fewer bytes than given (a disk filling up, a file
+        # size limit): a file cut short would be committed, its table unreadable.
+        while rest:
+            written = os.write(fd, rest)
+            if written == 0:
+                raise OSError(errno.ENOSPC, f"no byte of the last {len(rest)} written", path)
+            rest = rest[written:]
     finally:
         os.close(fd)
 

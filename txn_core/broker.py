@@ -19,6 +19,7 @@ from typing import Any, overload
 
 import pyarrow.compute as pc
 from deltalake import DeltaTable
+from deltalake.exceptions import DeltaError
 
 from schemas import HALF, OP, TableSchema, table_path
 from schemas.arrow import arrow_schema
@@ -63,9 +64,15 @@ class Broker:
         self.broker_id = uuid.uuid4().hex
         self._tables = dict(tables)
         producers = self._tables["_sys/producers"]
+        try:
+            epoch = register_epoch(producers, self.broker_id, clock())
+        except (DeltaError, OSError) as exc:  # no permission to write, a full disk, ...
+            raise PersistError(
+                f"could not register this broker in {producers.table_uri}: {exc} (producers "
+                "need write access to the warehouse)"
+            ) from exc
         self._offsets = OffsetAllocator(
-            register_epoch(producers, self.broker_id, clock()),
-            lambda: register_epoch(producers, self.broker_id, clock()),
+            epoch, lambda: register_epoch(producers, self.broker_id, clock())
         )
         #: columns whose values are unique by construction: no dictionary encoding
         plain = {
@@ -428,16 +435,14 @@ class StoredMessages(Sequence[Message]):
         copy = self._copies.get(index)
         if copy is None:
             msg = self._messages[index]
-            copy = object.__new__(Message)  # __dict__ copy: dataclass __init__ is slow here
-            copy.__dict__.update(
-                msg.__dict__,
-                body=self._bodies[index],
-                properties=dict(msg.properties) if msg.properties else {},
-                transaction_id=self._ids[index],
-                msg_id=self._ids[index],
-                half_offset=self.half_offsets[index],
-                producer_group=self._group,
-            )
+            copy = object.__new__(Message)  # field by field: dataclass __init__ is slow here
+            for name in Message.__slots__:
+                setattr(copy, name, getattr(msg, name))
+            copy.body = self._bodies[index]
+            copy.properties = dict(msg.properties) if msg.properties else {}
+            copy.transaction_id = copy.msg_id = self._ids[index]
+            copy.half_offset = self.half_offsets[index]
+            copy.producer_group = self._group
             self._copies[index] = copy
         return copy
 

@@ -8,6 +8,7 @@ value came from, and what is accepted.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import tomllib
@@ -83,6 +84,12 @@ def absolute_warehouse(warehouse: str) -> str:
             raise ConfigError(
                 f"warehouse {warehouse!r}: an S3 warehouse's prefix may hold only letters, "
                 "digits and / ! - _ . ' ( ) (the characters AWS calls safe in an object key)"
+            )
+        parts = prefix.rstrip("/").split("/") if prefix.rstrip("/") else []
+        if any(part in ("", ".", "..") for part in parts):
+            raise ConfigError(
+                f"warehouse {warehouse!r}: an S3 warehouse's prefix may not hold an empty, "
+                "'.' or '..' part (an empty variable in `s3://bucket/$PREFIX/wh`?)"
             )
         return "s3a://" + rest.rstrip("/")
     if scheme.lower() not in OTHER_SCHEMES:
@@ -180,6 +187,8 @@ class Config:
     s3_allow_http: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.warehouse, os.PathLike):
+            object.__setattr__(self, "warehouse", os.fspath(self.warehouse))
         for f in fields(self):
             _check(f.name, getattr(self, f.name), "value")
         object.__setattr__(self, "warehouse", absolute_warehouse(self.warehouse))
@@ -209,8 +218,9 @@ class Config:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], origin: str = "mapping") -> Config:
         """Build from a plain dict of configuration keys (missing keys take defaults)."""
+        values = _warehouse_as_text(values)
         _check_all(values, origin)
-        return cls(**dict(values))
+        return cls(**values)
 
 
 # key -> (type, validator, description of the accepted range)
@@ -298,7 +308,28 @@ def _check(key: str, value: Any, origin: str) -> None:
         )
 
 
+#: the project's `TXN_*` environment variables that are not configuration keys
+OTHER_ENV = frozenset(
+    {"TXN_SPARK_MASTER", "TXN_SPARK_LOG_LEVEL", "TXN_SUBMIT_ARGS", "TXN_FAULT_AT", "TXN_FAULT_MODE"}
+)
+
+
+def _refuse_misspelt_env(env: Mapping[str, str]) -> None:
+    """A `TXN_*` variable that is no key but nearly one is a typo that would
+    leave its key at the default (`TXN_WAREHOUS`: another warehouse)."""
+    names = [ENV_PREFIX + key.upper() for key in _SPECS]
+    for name in env:
+        if not name.startswith(ENV_PREFIX) or name in names or name in OTHER_ENV:
+            continue
+        near = difflib.get_close_matches(name, names, n=1, cutoff=0.85)
+        if near:
+            raise ConfigError(
+                f"environment variable {name} is no configuration key; did you mean {near[0]}?"
+            )
+
+
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    _refuse_misspelt_env(env)
     values: dict[str, Any] = {}
     for key, (kind, _, accepted) in _SPECS.items():
         name = ENV_PREFIX + key.upper()
@@ -330,6 +361,10 @@ def _from_file(path: str | os.PathLike[str]) -> dict[str, Any]:
             data = tomllib.loads(fh.read().decode("utf-8-sig"))
     except FileNotFoundError:
         raise ConfigError(f"configuration file {os.fspath(path)!r} does not exist") from None
+    except OSError as exc:  # a directory, no permission to read, ...
+        raise ConfigError(
+            f"configuration file {os.fspath(path)!r} cannot be read: {exc.strerror or exc}"
+        ) from None
     except UnicodeDecodeError as exc:
         raise ConfigError(
             f"configuration file {os.fspath(path)!r} is not UTF-8 text (TOML must be): {exc}"
@@ -365,12 +400,22 @@ def load_config(
     if path is not None:
         layers.append((_from_file(path), f"file {os.fspath(path)!r}"))
     layers.append((_from_env(env), "the environment"))
-    layers.append(({k: v for k, v in overrides.items() if v is not None}, "arguments"))
+    given = {k: v for k, v in overrides.items() if v is not None}
+    layers.append((_warehouse_as_text(given), "arguments"))
     for values, origin in layers:
         _check_all(values, origin)
         merged.update(values)
         origins.update(dict.fromkeys(values, origin))
     return Config(**merged)
+
+
+def _warehouse_as_text(values: Mapping[str, Any]) -> dict[str, Any]:
+    """`values`, a `warehouse` given as a `pathlib.Path` as its text (Broker.open
+    and the consumers take one too)."""
+    values = dict(values)
+    if isinstance(values.get("warehouse"), os.PathLike):
+        values["warehouse"] = os.fspath(values["warehouse"])
+    return values
 
 
 def as_config(config: Config | Mapping[str, Any]) -> Config:

@@ -32,6 +32,7 @@ committed what it polled (docs/protocol.md §3.2).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 import re
@@ -47,14 +48,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable, write_deltalake
-from deltalake.exceptions import CommitFailedError, TableNotFoundError
+from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from schemas import CONSUMER_MEMBERS, CONSUMER_OFFSETS, DLQ, HALF, TOPIC, table_path, topic_path
 from schemas.arrow import arrow_schema
 from txn_core import forks
 from txn_core.config import Config, ConfigError, absolute_warehouse
-from txn_core.errors import BrokerClosedError, MessageValidationError, TxnError
-from txn_core.message import validate_topic
+from txn_core.errors import BrokerClosedError, MessageValidationError, PersistError, TxnError
+from txn_core.message import QUEUE_ID_MAX, QUEUE_OFFSET_MAX, validate_topic
 from txn_core.storage import Storage, options_for, use
 from txn_core.tables import check_topic_table, open_existing, open_or_create
 from txn_core.vocabulary import ConsumeResult
@@ -182,11 +183,13 @@ def _positive_int(value: object, name: str) -> int:
     return value
 
 
-def _non_negative_int(value: object, name: str) -> int:
+def _non_negative_int(value: object, name: str, high: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ConfigError(f"{name} must be an integer, got {type(value).__name__}")
     if value < 0:
         raise ConfigError(f"{name} must not be negative, got {value}")
+    if value > high:
+        raise ConfigError(f"{name} must be at most {high}, got {value}")
     return value
 
 
@@ -398,6 +401,11 @@ def _append(table: DeltaTable, rows: pa.Table) -> None:
         except CommitFailedError:
             if attempt == _APPEND_ATTEMPTS - 1:
                 raise
+        except (DeltaError, OSError) as exc:  # a full disk, no permission to write, ...
+            raise PersistError(
+                f"could not write to {table.table_uri}: {exc} (a consumer group writes its "
+                "members and offsets into the warehouse: it needs write access there)"
+            ) from exc
 
 
 class Consumer:
@@ -512,8 +520,8 @@ class Consumer:
         (a queue id never seen before counts as a new queue of the topic).
         """
         self._check_open()
-        queue_id = _non_negative_int(queue_id, "queue_id")
-        offset = _non_negative_int(offset, "offset")
+        queue_id = _non_negative_int(queue_id, "queue_id", QUEUE_ID_MAX)
+        offset = _non_negative_int(offset, "offset", QUEUE_OFFSET_MAX)
         self._heartbeat_if_due()
         if queue_id not in self._held and queue_id not in self._queues:
             self._queues.add(queue_id)
@@ -802,7 +810,7 @@ class Consumer:
         # Offsets are dense, so each queue's next batch is one offset range:
         # the scan reads no more than it hands out.
         for queue_id, start in zip(held, starts):
-            end = start + max_messages
+            end = min(start + max_messages, QUEUE_OFFSET_MAX)  # a huge max_messages: the rest
             condition = condition | ((queue == queue_id) & (offset >= start) & (offset < end))
             files.append(
                 f"queue_id = {queue_id} AND queue_offset >= {start} AND queue_offset < {end}"
@@ -831,7 +839,7 @@ class Consumer:
         range, and as many of each queue as a poll can hand out when the
         queues take turns (at least one each)."""
         depth = max(1, -(-max_messages // len(held)))
-        low, high = min(starts), max(starts) + depth
+        low, high = min(starts), min(max(starts) + depth, QUEUE_OFFSET_MAX)
         queue, offset = pc.field("queue_id"), pc.field("queue_offset")
         band = queue.isin(held) & (offset >= low) & (offset < high)
         files = (
@@ -843,9 +851,9 @@ class Consumer:
         )
         at = pc.index_in(rows["queue_id"], value_set=pa.array(held, pa.int32()))
         start = pc.take(pa.array(starts, pa.int64()), at)  # null: not a queue held
-        in_range = pc.and_(
+        in_range = pc.and_(  # offset - start, not start + depth: no overflow past 2^63
             pc.greater_equal(rows["queue_offset"], start),
-            pc.less(rows["queue_offset"], pc.add(start, depth)),
+            pc.less(pc.subtract(rows["queue_offset"], start), min(depth, QUEUE_OFFSET_MAX)),
         )
         return rows.filter(pc.or_(pc.fill_null(in_range, False), pc.is_null(at)))
 
@@ -877,7 +885,8 @@ class Consumer:
         # so a small max_messages does not favour the lowest queue ids.
         turns = sorted(by_queue, key=lambda q: (q <= self._last_turn, q))
         polled: list[ConsumedMessage] = []
-        for depth in range(max_messages):
+        deepest = max((len(messages) for messages in by_queue.values()), default=0)
+        for depth in range(min(max_messages, deepest)):
             for queue_id in turns:
                 if depth < len(by_queue[queue_id]) and len(polled) < max_messages:
                     polled.append(by_queue[queue_id][depth])
@@ -939,15 +948,28 @@ class Consumer:
 
 
 def _queue_ids_outside(known: list[int]) -> str:
-    """SQL: queue_id is none of `known` (sorted), as ranges between them,
-    which a file's min/max statistics can rule out where NOT IN cannot."""
-    ranges = [f"queue_id < {known[0]}", f"queue_id > {known[-1]}"]
-    ranges += [
-        f"(queue_id > {low} AND queue_id < {high})"
-        for low, high in zip(known, known[1:])
-        if high - low > 1
-    ]
+    """SQL: queue_id may be none of `known` (sorted): it is outside the runs of
+    consecutive known ids, as ranges a file's min/max statistics can rule
+    out where NOT IN cannot. Only the `KNOWN_RUNS_IN_PREDICATE_MAX` longest
+    runs are left out: ids hashed from keys make thousands of runs, and
+    delta-rs crashed on a predicate of 8,000 terms. A known id in a shorter
+    run only lets a file be opened; the scan's filter leaves its rows out."""
+    runs: list[list[int]] = []
+    for queue_id in known:
+        if runs and queue_id == runs[-1][1] + 1:
+            runs[-1][1] = queue_id
+        else:
+            runs.append([queue_id, queue_id])
+    if len(runs) > KNOWN_RUNS_IN_PREDICATE_MAX:
+        longest = sorted(runs, key=lambda run: run[0] - run[1])[:KNOWN_RUNS_IN_PREDICATE_MAX]
+        runs = sorted(longest)
+    ranges = [f"queue_id < {runs[0][0]}", f"queue_id > {runs[-1][1]}"]
+    ranges += [f"(queue_id > {a[1]} AND queue_id < {b[0]})" for a, b in zip(runs, runs[1:])]
     return " OR ".join(ranges)
+
+
+#: how many runs of known queue ids a poll's file predicate leaves out at most
+KNOWN_RUNS_IN_PREDICATE_MAX = 64
 
 
 def _text(render: Callable[[Any], str], value: object) -> str:
@@ -1012,6 +1034,13 @@ class PushConsumer:
     ):
         if not callable(listener):
             raise ConfigError(f"listener must be a callable, got {type(listener).__name__}")
+        if inspect.iscoroutinefunction(listener) or inspect.iscoroutinefunction(
+            type(listener).__call__
+        ):
+            raise ConfigError(
+                "listener is a coroutine function; it must return a ConsumeResult (run your "
+                "async code to completion in it)"
+            )
         self._max_reconsume_times = _positive_int(max_reconsume_times, "max_reconsume_times")
         self._batch = _positive_int(batch, "batch")
         if not isinstance(idle_wait_s, (int, float)) or not idle_wait_s > 0:

@@ -17,6 +17,12 @@ _SYSTEM_GROUP_PREFIXES = ("cid_rmq_sys_", "_sys")
 # RocketMQ joins properties with \x01 between name and value and \x02 between
 # pairs; refusing them keeps our properties portable to RocketMQ.
 _PROPERTY_SEPARATORS = ("\x01", "\x02")
+#: RocketMQ refuses a message whose properties, its keys and tags among
+#: them, take more than this many bytes (PROPERTIES_SIZE_EXCEEDED)
+MAX_PROPERTIES_BYTES = 32767
+#: the largest `queue_id` (a table column of 32 bits) and `queue_offset` (64)
+QUEUE_ID_MAX = 2**31 - 1
+QUEUE_OFFSET_MAX = 2**63 - 1
 
 
 class LocalTransactionState(str, enum.Enum):
@@ -37,7 +43,7 @@ class LocalTransactionState(str, enum.Enum):
         )
 
 
-@dataclass
+@dataclass(slots=True)  # slots: `msg.key = ...` (for `keys`) raises, never goes unsent
 class Message:
     """A message to send: in a transaction (`TransactionProducer`), or plain
     (`Producer.send`).
@@ -172,14 +178,17 @@ def _validate_fields(msg: Message, max_body_bytes: int, in_batch: bool) -> int:
             _optional_str(tags, "tags")
         if not tags.isascii():
             validate_text(tags, "tags")
-    if type(msg.queue_id) is not int or not 0 <= msg.queue_id < 2**31:
-        _int_field(msg.queue_id, "queue_id", 0, 2**31 - 1)
+    if type(msg.queue_id) is not int or not 0 <= msg.queue_id <= QUEUE_ID_MAX:
+        _int_field(msg.queue_id, "queue_id", 0, QUEUE_ID_MAX)
     if msg.check_immunity_s is not None:
         _int_field(msg.check_immunity_s, "check_immunity_s", -(2**31), 2**31 - 1)
     if msg.delay_level is not None or msg.delay_ms is not None or msg.deliver_at_ms is not None:
         _validate_delay(msg, in_batch)
+    chars = (len(keys) if keys else 0) + (len(tags) if tags else 0)
     if msg.properties:
-        _validate_properties(msg.properties)
+        chars += _validate_properties(msg.properties)
+    if chars * 4 > MAX_PROPERTIES_BYTES:  # UTF-8 takes at most 4 bytes a character
+        _validate_properties_size(msg)
     return size
 
 
@@ -256,11 +265,32 @@ def message_size(msg: Message, body_size: int) -> int:
     return size
 
 
-def _validate_properties(properties: object) -> None:
+def _validate_properties_size(msg: Message) -> None:
+    parts = {
+        "keys": len(msg.keys.encode()) if msg.keys else 0,
+        "tags": len(msg.tags.encode()) if msg.tags else 0,
+        "properties": sum(
+            len(k.encode()) + len(v.encode()) for k, v in (msg.properties or {}).items()
+        ),
+    }
+    size = sum(parts.values())
+    if size > MAX_PROPERTIES_BYTES:
+        largest = max(parts, key=lambda name: parts[name])
+        raise MessageValidationError(
+            largest,
+            f"{parts[largest]} bytes, and the keys, tags and properties {size} together; "
+            f"the limit for those is {MAX_PROPERTIES_BYTES} (RocketMQ's): put large data "
+            "in the body",
+        )
+
+
+def _validate_properties(properties: object) -> int:
+    """Check each name and value; return how many characters they hold."""
     if not isinstance(properties, Mapping):
         raise MessageValidationError(
             "properties", f"must be a mapping of str to str, got {type(properties).__name__}"
         )
+    chars = 0
     for key, value in properties.items():
         if not isinstance(key, str) or not key:
             raise MessageValidationError("properties", f"key {key!r} must be a non-empty string")
@@ -274,6 +304,8 @@ def _validate_properties(properties: object) -> None:
                 raise MessageValidationError(
                     f"properties[{key!r}]", "must not contain the control characters \\x01 or \\x02"
                 )
+        chars += len(key) + len(value)
+    return chars
 
 
 def validate_batch(
@@ -320,6 +352,12 @@ def validate_batch(
         if max_batch_bytes is not None:
             total += message_size(msg, size)
     if max_batch_bytes is not None and total > max_batch_bytes:
+        if len(messages) == 1:
+            raise MessageValidationError(
+                "messages",
+                f"its one message is {total} bytes (body, keys, tags and properties); the "
+                f"limit is max_batch_bytes = {max_batch_bytes}: send it on its own (send)",
+            )
         raise MessageValidationError(
             "messages",
             f"the batch is {total} bytes (bodies, keys, tags and properties of its "

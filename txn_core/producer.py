@@ -4,6 +4,7 @@ TransactionListener (RocketMQ's DefaultMQProducerImpl rules)."""
 from __future__ import annotations
 
 import abc
+import inspect
 import logging
 import threading
 from collections.abc import Sequence
@@ -12,7 +13,8 @@ from typing import Any, Self
 from txn_core import forks
 from txn_core.broker import Broker, StoredMessages
 from txn_core.checks import CheckAnswerer
-from txn_core.errors import NoListenerError, PersistError
+from txn_core.config import ConfigError
+from txn_core.errors import BrokerClosedError, NoListenerError
 from txn_core.message import (
     BatchSendReceipt,
     BatchSendResult,
@@ -66,6 +68,7 @@ class Producer:
     def __init__(self, broker: Broker, group: str):
         self.broker = broker
         self.group = validate_group(group)
+        self._closed = False
 
     def send(self, msg: Message) -> SendReceipt:
         """Store one plain message; returns once it is durable.
@@ -75,8 +78,9 @@ class Producer:
         (at once when that is past): docs/protocol.md §3.1, "Delayed
         messages". Raises MessageValidationError (nothing written) for a bad
         message or a delay beyond `max_delay_ms`, PersistError when it could
-        not be stored.
+        not be stored, BrokerClosedError after `close()`.
         """
+        self._check_open()
         validate_plain(msg, self.broker.config.max_body_bytes)
         stored = self.broker.store_halves(self.group, [msg], MessageType.NORMAL)
         return SendReceipt(
@@ -96,6 +100,7 @@ class Producer:
         message gets its own `msg_id` and offset; they are delivered in the
         batch's order.
         """
+        self._check_open()
         config = self.broker.config
         validate_batch(messages, config.max_body_bytes, max_batch_bytes=config.max_batch_bytes)
         stored = self.broker.store_halves(self.group, messages, MessageType.NORMAL)
@@ -106,8 +111,13 @@ class Producer:
         )
 
     def close(self) -> None:
-        """Nothing to stop (the broker owns the writers); for symmetry with
-        TransactionProducer and `with`."""
+        """Refuse sends from now on (BrokerClosedError), as RocketMQ's producer
+        after shutdown; the broker, which owns the writers, stays open."""
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BrokerClosedError(f"the producer of group {self.group!r} is closed")
 
     def __enter__(self) -> Self:
         return self
@@ -134,7 +144,7 @@ class TransactionProducer(Producer):
 
     def __init__(self, broker: Broker, group: str, listener: TransactionListener | None = None):
         super().__init__(broker, group)
-        self.listener = listener
+        self.listener = None if listener is None else _valid_listener(listener)
         self._checks = CheckAnswerer(broker, self.group, self._check_state)
         self._checks_lock = threading.Lock()
         self._checker: threading.Thread | None = None
@@ -155,6 +165,7 @@ class TransactionProducer(Producer):
         NoListenerError without a listener, PersistError when the half row
         could not be stored (the local transaction is then not run).
         """
+        self._check_open()
         listener = self._require_listener()
         validate_transactional(msg, self.broker.config.max_body_bytes)
         stored = self.broker.store_halves(self.group, [msg])
@@ -178,6 +189,7 @@ class TransactionProducer(Producer):
         as a sequence (ids filled in, each a copy); its one decision is
         written as one OP per message, in one commit. Checks stay per message.
         """
+        self._check_open()
         listener = self._require_listener()
         validate_batch(messages, self.broker.config.max_body_bytes)
         stored = self.broker.store_halves(self.group, messages)
@@ -196,14 +208,16 @@ class TransactionProducer(Producer):
         self, state: LocalTransactionState, stored: StoredMessages
     ) -> tuple[bool, BaseException | None]:
         """Write the decision's OP rows; a failure is returned, not raised
-        (docs/protocol.md §3.1, item 4)."""
+        (docs/protocol.md §3.1, item 4): the local transaction has run, and
+        a caller told "failed" might run it again."""
         if state.action is None:
             return False, None
         try:
             self.broker.store_ops(
                 stored.half_offsets, stored.transaction_ids, self.group, state.action, "PRODUCER"
             )
-        except PersistError as exc:
+        # any Exception: a PersistError, or the broker closed meanwhile
+        except Exception as exc:  # noqa: BLE001
             log.warning(
                 "OP for %d message(s) of group %s not written (%s); the back-check "
                 "will settle them",
@@ -227,12 +241,14 @@ class TransactionProducer(Producer):
     def answer_checks(self) -> int:
         """One pass over this group's open check requests; returns how many were answered."""
         forks.check("TransactionProducer.answer_checks")
+        self._check_open()
         self._require_listener()  # the answerer calls self._check_state, which uses it
         with self._checks_lock:
             return self._checks.poll()
 
     def start_checker(self, poll_s: float = 1.0) -> None:
         """Answer checks from a background thread every `poll_s` seconds until close()."""
+        self._check_open()
         self._require_listener()
         if self._checker is not None:
             return
@@ -259,6 +275,32 @@ class TransactionProducer(Producer):
         if self._checker is not None:
             self._checker.join()
             self._checker = None
+        super().close()  # after the checker: its last pass is not refused
+
+
+def _valid_listener(listener: object) -> TransactionListener:
+    """`listener`, refused (ConfigError) unless it can run a local transaction
+    and answer a check: else every send would store a half message whose
+    local transaction never runs."""
+    if isinstance(listener, type):
+        raise ConfigError(
+            f"listener must be an instance of a TransactionListener, not the class "
+            f"{listener.__name__} itself: pass {listener.__name__}()"
+        )
+    for name in ("execute_local_transaction", "check_local_transaction"):
+        method = getattr(listener, name, None)
+        if not callable(method):
+            raise ConfigError(
+                f"listener {type(listener).__name__} has no {name} method; a "
+                "TransactionListener implements execute_local_transaction(msg, arg) and "
+                "check_local_transaction(msg)"
+            )
+        if inspect.iscoroutinefunction(method):
+            raise ConfigError(
+                f"listener {type(listener).__name__}.{name} is a coroutine function; it must "
+                "return a LocalTransactionState (run your async code to completion in it)"
+            )
+    return listener  # type: ignore[return-value]
 
 
 def _execute(

@@ -16,7 +16,12 @@ from deltalake import DeltaTable, write_deltalake
 from schemas import HALF, OP, table_path
 from schemas.arrow import arrow_schema
 from txn_core import PersistError
-from txn_core.blind_append import BlindAppender, TableChanged, unsupported_reason
+from txn_core.blind_append import (
+    BlindAppender,
+    EntryOutcomeUnknown,
+    TableChanged,
+    unsupported_reason,
+)
 from txn_core.group_commit import GroupCommitWriter, to_arrow
 from txn_core.tables import open_or_create
 
@@ -236,6 +241,40 @@ def test_on_s3_a_put_whose_answer_was_lost_is_recognised_as_ours(s3, monkeypatch
     assert appender.append(to_arrow(schema, op_rows([8]), "store_ms", STORE_MS)) == 2
     final = DeltaTable(table.table_uri, storage_options=options)
     assert sorted(final.to_pyarrow_table()["op_offset"].to_pylist()) == [7, 8]
+
+
+def test_on_s3_a_put_with_no_answer_at_all_is_read_back_and_its_file_kept(s3, monkeypatch):
+    """Every answer to an entry's put lost (the client's retries spent): the
+    appender took the entry for not written and deleted the file it
+    references, and the table could no longer be read by anyone."""
+    from botocore.exceptions import ConnectionClosedError, EndpointConnectionError
+
+    table, options = _s3_table(s3)
+    schema = arrow_schema(OP)
+    appender = BlindAppender(table, schema)
+    client = appender._store._client
+    real_put = client.put_object
+
+    def put_then_lose_every_answer(**kwargs):
+        real_put(**kwargs)
+        if kwargs.get("IfNoneMatch"):
+            raise ConnectionClosedError(endpoint_url="http://store")
+
+    def unreachable(**kwargs):
+        raise EndpointConnectionError(endpoint_url="http://store")
+
+    def rows(o: int) -> pa.Table:
+        return to_arrow(schema, op_rows([o]), "store_ms", STORE_MS)
+
+    monkeypatch.setattr(client, "put_object", put_then_lose_every_answer)
+    assert appender.append(rows(7)) == 1  # read back: ours
+    monkeypatch.setattr(client, "get_object", unreachable)  # nor does the read get an answer
+    with pytest.raises(EntryOutcomeUnknown, match="version 2 was written .* may hold the rows"):
+        appender.append(rows(8))
+    monkeypatch.undo()
+    assert appender.append(rows(9)) == 3
+    final = DeltaTable(table.table_uri, storage_options=options)
+    assert sorted(final.to_pyarrow_table()["op_offset"].to_pylist()) == [7, 8, 9]
 
 
 def test_on_s3_an_appender_idle_past_a_cleaned_log_moves_past_its_checkpoint(s3, monkeypatch):

@@ -38,6 +38,10 @@ def test_a_relative_warehouse_becomes_absolute_and_an_s3_uri_one_for_both_engine
         load_config(env={}, warehouse="abfss://c@acct.dfs.core.windows.net/wh").warehouse
         == "abfss://c@acct.dfs.core.windows.net/wh"
     )
+    for odd in ("s3://bucket//wh", "s3://bucket/a/./wh", "s3://bucket/a/.."):
+        # `s3://bucket/$PREFIX/wh` with PREFIX empty: delta-rs' raw error at the first read
+        with pytest.raises(ConfigError, match="may not hold an empty, '.' or '..' part"):
+            load_config(env={}, warehouse=odd)
 
 
 def test_a_warehouse_under_home_is_the_users_home_as_in_a_shell(tmp_path, monkeypatch):
@@ -80,6 +84,12 @@ def test_a_pathlib_path_names_a_warehouse_for_producers_and_consumers(tmp_path):
     deliver(str(warehouse), q0=range(2))
     assert [r["queue_offset"] for r in read_topic(warehouse, "ORDER")] == [0, 1]
     assert len(Consumer(warehouse, "billing", "ORDER").poll(10)) == 2
+    for config in (  # and so does every way of configuring one
+        load_config(env={}, warehouse=warehouse),
+        Config(warehouse=warehouse),
+        as_config({"warehouse": warehouse}),
+    ):
+        assert config.warehouse == str(warehouse)
 
 
 def test_a_file_with_a_byte_order_mark_loads_and_one_not_utf8_is_named(tmp_path):
@@ -140,11 +150,23 @@ def test_bad_env_value_names_the_variable():
         load_config(env={"TXN_CHECK_MAX": "many"})
 
 
+def test_a_misspelt_environment_variable_is_refused_with_the_key_it_nearly_names():
+    """`TXN_WAREHOUS` was ignored, and the warehouse was ./warehouse instead."""
+    with pytest.raises(ConfigError, match="TXN_WAREHOUS is no configuration key; did you mean "):
+        load_config(env={"TXN_WAREHOUS": "/data/wh"})
+    with pytest.raises(ConfigError, match="did you mean TXN_S3_ENDPOINT"):
+        load_config(env={"TXN_S3_ENDPIONT": "http://127.0.0.1:9000"})
+    others = {"TXN_SPARK_MASTER": "local[1]", "TXN_FAULT_AT": "x", "TXN_MY_OWN": "1"}
+    assert load_config(env=others).check_max == Config().check_max  # not near any key
+
+
 def test_bad_override_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="transaction_timeout_ms"):
         load_config(env={}, transaction_timeout_ms=-5)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml", env={})
+    with pytest.raises(ConfigError, match="cannot be read: Is a directory"):
+        load_config(tmp_path, env={})  # was a raw IsADirectoryError
     with pytest.raises(ConfigError, match="bogus"):
         load_config(env={}, bogus=1)
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
+import zlib
 
 import pyarrow as pa
 import pytest
@@ -131,6 +133,54 @@ def test_a_poll_over_many_queues_reads_one_band_and_loses_and_repeats_nothing(
     assert bands and consumer.committed() == {0: 5, 1: 4, 3: 7, 4: 3, 6: 3}
 
 
+def test_thousands_of_scattered_queues_are_polled_and_new_ones_among_them_found(warehouse):
+    """Queue ids hashed from keys: a poll's file predicate named every gap
+    between the known ids, and delta-rs crashed on 8,000 of them (a
+    segmentation fault, the consumer's process gone)."""
+    ids = sorted({zlib.crc32(b"order-%d" % i) & 0x7FFFFFFF for i in range(10_000)})
+    deliver(warehouse, **{f"q{q}": range(1) for q in ids})
+    consumer = Consumer(warehouse, GROUP, "ORDER")
+    seen = []
+    while batch := consumer.poll(1000):
+        seen += batch
+    assert sorted(offsets(seen)) == [(q, 0) for q in ids]
+
+    # new queues between known ones, low, in the middle and high, and known ones' next rows
+    new = [q + 1 for q in ids[:20] + ids[5000:5020] + ids[-20:] if q + 1 not in ids]
+    next_rows = {f"q{q}": range(1, 2) for q in ids[:3]}
+    deliver(warehouse, **{f"q{q}": range(1) for q in new}, **next_rows)
+    later = []
+    while batch := consumer.poll(1000):
+        later += batch
+    assert sorted(offsets(later)) == sorted([(q, 0) for q in new] + [(q, 1) for q in ids[:3]])
+
+
+def test_a_poll_of_any_size_returns_what_there_is(warehouse):
+    """`poll(sys.maxsize)` looped that many times (a hang), and an offset past
+    2^63 in its reads raised a raw OverflowError."""
+    deliver(warehouse, q0=range(3), q1=range(2))
+    consumer = Consumer(warehouse, GROUP, "ORDER")
+    assert sorted(offsets(consumer.poll(sys.maxsize))) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    consumer.seek(0, 2**63 - 1)
+    assert consumer.poll(2**80) == []
+    many = Consumer(warehouse, "many", "ORDER")
+    for queue_id in range(40):  # more queues than a poll reads one by one
+        many.seek(queue_id, 0)
+    assert len(many.poll(2**80)) == 5
+
+
+def test_seek_out_of_range_is_refused_and_leaves_the_consumer_as_it_was(warehouse):
+    """A queue id of 2^31 (no producer can send to it) was taken in before its
+    membership row failed, and every later poll raised a cast error."""
+    deliver(warehouse, q0=range(2))
+    consumer = Consumer(warehouse, GROUP, "ORDER")
+    with pytest.raises(ConfigError, match="queue_id must be at most 2147483647, got 2147483648"):
+        consumer.seek(2**31, 0)
+    with pytest.raises(ConfigError, match="offset must be at most 9223372036854775807"):
+        consumer.seek(0, 2**63)
+    assert offsets(consumer.poll()) == [(0, 0), (0, 1)]
+
+
 def test_a_consumer_of_a_path_with_no_warehouse_says_so(tmp_path, warehouse, caplog):
     Broker.open(warehouse).close()
     deliver(warehouse, q0=range(1))
@@ -150,6 +200,8 @@ def test_a_page_of_a_queue_opens_only_the_files_that_may_hold_it(warehouse):
             deliver(warehouse, topic, q0=range(first, first + 3))
     page = read_topic(warehouse, "ORDER", queue_id=0, from_queue_offset=1, limit=4)
     assert [r["queue_offset"] for r in page] == [1, 2, 3, 4]
+    rest = read_topic(warehouse, "ORDER", queue_id=0, from_queue_offset=1, limit=2**63 - 1)
+    assert [r["queue_offset"] for r in rest] == list(range(1, 9))  # no overflow past 2^63
     end = read_topic(warehouse, "ORDER", queue_id=0, from_queue_offset=7, limit=5)
     assert [r["queue_offset"] for r in end] == [7, 8]  # fewer than asked: the queue's end
     DeltaTable(topic_path(warehouse, "PAY")).delete("queue_offset IN (3, 4)")
@@ -169,10 +221,13 @@ def test_a_page_of_a_queue_opens_only_the_files_that_may_hold_it(warehouse):
 @pytest.mark.parametrize(
     "kwargs, problem",
     [
-        ({"limit": -1}, "limit must be a non-negative integer; got -1"),
-        ({"from_queue_offset": -1}, "from_queue_offset must be a non-negative integer; got -1"),
-        ({"from_queue_offset": "5"}, "from_queue_offset must be a non-negative integer; got '5'"),
-        ({"queue_id": 1.0}, "queue_id must be a non-negative integer; got 1.0"),
+        ({"limit": -1}, "limit must be an integer from 0 to 9223372036854775807; got -1"),
+        ({"limit": 2**63}, "limit must be an integer from 0 to 9223372036854775807; got 92"),
+        ({"from_queue_offset": -1}, "from_queue_offset must be an integer from 0 to 9223372036"),
+        ({"from_queue_offset": 2**63}, "from_queue_offset must be an integer from 0 to 92233"),
+        ({"from_queue_offset": "5"}, "from_queue_offset must be an integer from 0 to 922337203"),
+        ({"queue_id": 1.0}, "queue_id must be an integer from 0 to 2147483647; got 1.0"),
+        ({"queue_id": 2**31}, "queue_id must be an integer from 0 to 2147483647; got 2147483648"),
     ],
 )
 def test_read_topic_refuses_an_offset_or_queue_that_is_not_one(warehouse, kwargs, problem):

@@ -1,7 +1,12 @@
 """Broker core semantics, docs/protocol.md §3.1, items 1–8."""
 
+import json
 import os
+import re
 import shutil
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -9,7 +14,9 @@ from deltalake import DeltaTable
 
 from txn_core import (
     Broker,
+    BrokerClosedError,
     Config,
+    ConfigError,
     LocalTransactionState,
     Message,
     MessageValidationError,
@@ -242,6 +249,10 @@ def test_batch_rules(producer, warehouse, batch, field):
         (dict(tags="\ud800"), "tags"),
         (dict(properties={"k": "v\udcff"}), "properties['k']"),
         (dict(properties={"k\udcff": "v"}), "properties['k\\udcff']"),
+        # RocketMQ's 32,767 bytes of keys, tags and properties (a 50 MiB property was stored)
+        (dict(keys="k" * 32_768), "keys"),
+        (dict(keys="k" * 20_000, tags="t" * 12_768), "keys"),
+        (dict(properties={"p": "\u00e9" * 16_384}), "properties"),
     ],
 )
 def test_bad_message_names_the_field_and_writes_nothing(warehouse, kwargs, field):
@@ -309,9 +320,149 @@ def test_resolve_writes_an_admin_op(producer, broker, warehouse):
         broker.resolve("no-such-id", commit=True)
 
 
-def test_closed_broker_refuses_sends(warehouse):
-    from txn_core import BrokerClosedError
+UNWRITABLE = textwrap.dedent(
+    """
+    import json, os, resource, signal, sys
+    from txn_core import Broker, Consumer, Message, Producer
 
+    warehouse, seen = sys.argv[1], {}
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    with Broker.open(warehouse) as broker:
+        producer = Producer(broker, "order_group")
+        Consumer(warehouse, "billing", "ORDER", member="first").poll()
+        for case, limit, call in [
+            ("cut short", 100_000, lambda: producer.send(
+                Message(topic="ORDER", body=os.urandom(150_000)))),
+            ("broker", 0, lambda: Broker.open(warehouse)),
+            ("consumer", 0, lambda: Consumer(warehouse, "billing", "ORDER", member="m").poll()),
+        ]:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+            try:
+                call()
+                seen[case] = "done"
+            except Exception as exc:
+                seen[case] = f"{type(exc).__name__}: {exc}"
+            resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+        producer.send(Message(topic="ORDER", body=b"after"))
+    print(json.dumps(seen))
+    """
+)
+
+
+def test_writes_the_disk_refuses_or_cuts_short_fail_clearly_and_leave_tables_readable(tmp_path):
+    """A write may take fewer bytes than given (a disk filling up, a file
+    size limit): the rest was dropped, the send acknowledged, and `_sys/half`
+    unreadable from then on ("Parquet magic bytes not found"). A warehouse
+    a broker or a consumer group cannot write to gave delta-rs' raw error."""
+    warehouse = str(tmp_path / "wh")
+    done = subprocess.run(
+        [sys.executable, "-c", UNWRITABLE, warehouse], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["cut short"].startswith("PersistError: could not append 1 row(s) to _sys/half")
+    assert "File too large" in seen["cut short"]
+    assert seen["broker"].startswith("PersistError: could not register this broker in ")
+    assert "need write access to the warehouse" in seen["broker"]
+    assert seen["consumer"].startswith("PersistError: could not write to ")
+    assert "_sys/consumer_members" in seen["consumer"]
+    assert [r["body"] for r in rows(warehouse, "_sys/half")] == [b"after"]
+
+
+class JavaStyle:
+    def executeLocalTransaction(self, msg, arg):
+        return COMMIT
+
+    def checkLocalTransaction(self, msg):
+        return COMMIT
+
+
+class Async(TransactionListener):
+    async def execute_local_transaction(self, msg, arg):
+        return COMMIT
+
+    def check_local_transaction(self, msg):
+        return COMMIT
+
+
+@pytest.mark.parametrize(
+    "listener, problem",
+    [
+        (lambda msg, arg: COMMIT, "listener function has no execute_local_transaction method"),
+        (JavaStyle(), "listener JavaStyle has no execute_local_transaction method"),
+        (Scripted, "not the class Scripted itself: pass Scripted()"),
+        (Async(), "listener Async.execute_local_transaction is a coroutine function"),
+    ],
+)
+def test_a_listener_that_cannot_run_a_local_transaction_is_refused_up_front(
+    broker, warehouse, listener, problem
+):
+    """Each was taken, and every send stored a half message whose local
+    transaction never ran (UNKNOWN, an AttributeError in its result)."""
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        TransactionProducer(broker, "order_group", listener)
+    assert rows(warehouse, "_sys/half") == []
+
+
+def test_a_broker_closed_during_the_local_transaction_is_reported_not_raised(
+    producer, broker, warehouse
+):
+    """The OP could not be written because a shutdown closed the broker: the
+    call raised BrokerClosedError after the local transaction had committed,
+    and the caller lost the transaction id (and might run it again)."""
+
+    def commit_then_shut_down():
+        broker.close()
+        return COMMIT
+
+    result = producer.send_message_in_transaction(
+        Message(topic="ORDER", body=b"x"), commit_then_shut_down
+    )
+    assert result.local_state is COMMIT and result.transaction_id
+    assert result.op_written is False and isinstance(result.op_error, BrokerClosedError)
+    assert len(rows(warehouse, "_sys/half")) == 1 and rows(warehouse, "_sys/op") == []
+
+
+def test_a_closed_producer_refuses_sends_and_leaves_its_broker_open(broker, warehouse):
+    msg = Message(topic="ORDER", body=b"x")
+    with (
+        Producer(broker, "order_group") as plain,
+        TransactionProducer(broker, "order_group", Scripted()) as txn,
+    ):
+        pass
+    for call in (
+        lambda: plain.send(msg),
+        lambda: plain.send_batch([msg]),
+        lambda: txn.send_message_in_transaction(msg, COMMIT),
+        lambda: txn.send_batch_in_transaction([msg], COMMIT),
+        txn.answer_checks,
+    ):
+        with pytest.raises(BrokerClosedError, match="producer of group 'order_group' is closed"):
+            call()
+    Producer(broker, "order_group").send(msg)
+    assert len(rows(warehouse, "_sys/half")) == 1
+
+
+def test_a_misspelt_field_of_a_message_raises_instead_of_going_unsent():
+    msg = Message(topic="ORDER", body=b"x")
+    with pytest.raises(AttributeError, match="'key'"):
+        msg.key = "order-42"  # `keys`: it was set on the object, and never sent
+
+
+def test_keys_tags_and_properties_take_at_most_32767_bytes_together(broker, warehouse):
+    producer = Producer(broker, "order_group")
+    at_limit = Message(
+        topic="ORDER", body=b"x", keys="k" * 767, tags="t" * 1000, properties={"p": "v" * 30_999}
+    )
+    producer.send(at_limit)
+    at_limit.tags += "!"
+    with pytest.raises(MessageValidationError, match="32768 together; the limit .* is 32767"):
+        producer.send(at_limit)
+    assert len(rows(warehouse, "_sys/half")) == 1
+
+
+def test_closed_broker_refuses_sends(warehouse):
     b = Broker.open(warehouse)
     producer = TransactionProducer(b, "order_group", Scripted())
     b.close()
@@ -446,6 +597,9 @@ def test_a_batch_counts_bodies_keys_tags_and_properties_up_to_max_batch_bytes(wa
         exact[1].tags = "\u00e9!"
         with pytest.raises(MessageValidationError, match="1025 bytes.*max_batch_bytes = 1024"):
             producer.send_batch(exact)
+        alone = Message(topic="A", body=b"x" * 1025)
+        with pytest.raises(MessageValidationError, match="= 1024: send it on its own"):
+            producer.send_batch([alone])  # not "in smaller batches": there are none
         # a transactional batch is decided by one local transaction: no total limit
         TransactionProducer(b, "order_group", Scripted()).send_batch_in_transaction(exact, COMMIT)
     assert len(rows(warehouse, "_sys/half")) == 4
