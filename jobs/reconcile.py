@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import fields
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file by spark-submit: make `jobs`, `schemas`, … importable
@@ -32,7 +33,7 @@ from jobs.continuous import parse_every, reconcile_forever
 from jobs.faults import InjectedFault
 from jobs.lease import EXIT_LEASE_HELD, Lease, LeaseHeld
 from jobs.run import RunSummary, idle_ahead, reconcile, recover, rows_ahead
-from jobs.session import driver_java_options, print_error, use_warehouse
+from jobs.session import driver_java_options, print_error, spark_log_level, use_warehouse
 from txn_core.config import Config, ConfigError, load_config
 from txn_core.vocabulary import CANCEL, Action, Source
 
@@ -59,23 +60,12 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 SHORT_LIVED_MAX_ROWS = 500_000
 
 
-_RULE_FLAGS = (
-    "transaction_timeout_ms",
-    "check_max",
-    "check_interval_ms",
-    "reserved_hours",
-    "max_checks_per_run",
-    "check_budget",
-    "lease_ttl_s",
-)
-
-
-#: the object store's settings (docs/operating.md, "A warehouse on S3")
-_STORE_FLAGS = {
-    "s3_endpoint": str,
-    "s3_region": str,
-    "s3_path_style": "bool",
-    "s3_allow_http": "bool",
+#: a flag per configuration key, of its type (`--warehouse` is the common
+#: one; the producers' size limits are the producers' to set)
+_CONFIG_FLAGS = {
+    f.name: type(f.default)
+    for f in fields(Config)
+    if f.name not in ("warehouse", "max_body_bytes", "max_batch_bytes")
 }
 
 
@@ -90,21 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--conf", help="TOML configuration file (docs/protocol.md §6)")
     common.add_argument("--warehouse", help="root of all tables (overrides file and env)")
-    for key in _RULE_FLAGS:
-        kind = str if key == "check_budget" else int
-        common.add_argument(
-            "--" + key.replace("_", "-"),
-            type=kind,
-            default=None,
-            help=f"override configuration key {key}",
-        )
-    for key, store_kind in _STORE_FLAGS.items():
+    for key, kind in _CONFIG_FLAGS.items():
         common.add_argument(
             "--" + key.replace("_", "-"),
             default=None,
-            type=_boolean if store_kind == "bool" else str,
-            metavar="true|false" if store_kind == "bool" else None,
-            help=f"override configuration key {key}",
+            type=_boolean if kind is bool else kind,
+            metavar="true|false" if kind is bool else None,
+            help=f"override configuration key {key} (docs/protocol.md §6)",
         )
     parser = argparse.ArgumentParser(
         prog="txn-reconcile",
@@ -154,12 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = load_config(
-            args.conf,
-            warehouse=args.warehouse,
-            **{k: getattr(args, k) for k in (*_RULE_FLAGS, *_STORE_FLAGS)},
+            args.conf, warehouse=args.warehouse, **{k: getattr(args, k) for k in _CONFIG_FLAGS}
         )
         # An object store is checked before the lease or Spark: exit 2 names what is wrong.
         use_warehouse(None, cfg)
+        spark_log_level()
         return _COMMANDS[args.command](args, cfg)
     except ConfigError as exc:
         return _fail(EXIT_USAGE, f"bad configuration: {exc}")
@@ -286,14 +267,14 @@ def submit_java_options(argv: list[str]) -> str:
     local session (`driver_java_options`), short-lived for a single run
     predicted small (`_predict_short`), as `txn-reconcile run` starts it."""
     try:
-        with contextlib.redirect_stderr(io.StringIO()):  # the job itself says what is wrong
+        # The job itself says what is wrong, and prints --help: nothing of it
+        # may end up among the JVM's options.
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
             args = build_parser().parse_args(argv)
         single = args.command == "run" and args.every is None and args.max_runs is None
         short = single and _predict_short(
             load_config(
-                args.conf,
-                warehouse=args.warehouse,
-                **{k: getattr(args, k) for k in (*_RULE_FLAGS, *_STORE_FLAGS)},
+                args.conf, warehouse=args.warehouse, **{k: getattr(args, k) for k in _CONFIG_FLAGS}
             ),
             args.now_ms,
         )
@@ -302,9 +283,24 @@ def submit_java_options(argv: list[str]) -> str:
     return driver_java_options(short_lived=short)
 
 
+def _require_warehouse(cfg: Config) -> None:
+    """Refuse (exit 2) a warehouse neither producers nor the job ever used:
+    a mistyped path would read as all clear, or be made anew."""
+    from txn_core.tables import is_warehouse
+
+    if not is_warehouse(cfg.warehouse):
+        raise ConfigError(
+            f"no warehouse at {cfg.warehouse} (it has no _sys/half and no _sys/runs): "
+            "check --warehouse, --conf or TXN_WAREHOUSE"
+        )
+
+
 def _cmd_status(args, cfg: Config) -> int:
     from jobs.status import status
 
+    if args.now_ms is not None and args.now_ms < 0:
+        raise ConfigError(f"--now-ms must be a non-negative integer; got {args.now_ms}")
+    _require_warehouse(cfg)
     report = status(_spark(), cfg, now_ms=args.now_ms)
     print(json.dumps(report.to_dict()), flush=True)
     return EXIT_OK
@@ -313,6 +309,7 @@ def _cmd_status(args, cfg: Config) -> int:
 def _cmd_verify(args, cfg: Config) -> int:
     from jobs.verify import verify
 
+    _require_warehouse(cfg)
     report = verify(_spark(), cfg)
     print(json.dumps(report.to_dict(), default=str), flush=True)
     print(report.render(), file=sys.stderr)
@@ -322,6 +319,7 @@ def _cmd_verify(args, cfg: Config) -> int:
 def _cmd_resolve(args, cfg: Config) -> int:
     from txn_core import Broker
 
+    _require_warehouse(cfg)
     broker = Broker.open(cfg)
     try:
         broker.resolve(args.transaction_id, commit=args.commit, remark=args.remark)
@@ -344,6 +342,7 @@ def _cmd_resolve(args, cfg: Config) -> int:
 def _cmd_cancel(args, cfg: Config) -> int:
     from txn_core import Broker
 
+    _require_warehouse(cfg)
     broker = Broker.open(cfg)
     try:
         op_offset = broker.cancel(args.msg_id, remark=args.remark)

@@ -151,8 +151,25 @@ def build_spark(
     for key, value in {**defaults, **(conf or {})}.items():
         builder = builder.config(key, value)
     spark = _started(builder, local=local)
-    spark.sparkContext.setLogLevel(os.environ.get("TXN_SPARK_LOG_LEVEL", "WARN"))
+    spark.sparkContext.setLogLevel(spark_log_level())
     return spark
+
+
+#: the levels Spark's `setLogLevel` takes
+SPARK_LOG_LEVELS = ("ALL", "DEBUG", "ERROR", "FATAL", "INFO", "OFF", "TRACE", "WARN")
+
+
+def spark_log_level() -> str:
+    """`TXN_SPARK_LOG_LEVEL` (default WARN); ConfigError, before any JVM
+    starts, for a level Spark does not take (Python's `WARNING`)."""
+    from txn_core.config import ConfigError
+
+    level = os.environ.get("TXN_SPARK_LOG_LEVEL", "WARN")
+    if level.upper() not in SPARK_LOG_LEVELS:
+        raise ConfigError(
+            f"TXN_SPARK_LOG_LEVEL must be one of {', '.join(SPARK_LOG_LEVELS)}; got {level!r}"
+        )
+    return level.upper()
 
 
 def _is_local(master: str | None) -> bool:
@@ -334,13 +351,13 @@ def submit_packages(argv: list[str]) -> str:
     from txn_core.config import ConfigError, load_config
     from txn_core.storage import is_s3
 
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     parser.add_argument("--conf")
     parser.add_argument("--warehouse")
-    known, _ = parser.parse_known_args(argv)
     try:
+        known, _ = parser.parse_known_args(argv)
         warehouse = load_config(known.conf, warehouse=known.warehouse).warehouse
-    except ConfigError:
+    except (argparse.ArgumentError, ConfigError):
         return DELTA_JAR
     return f"{DELTA_JAR},{S3A_JAR}" if is_s3(warehouse) else DELTA_JAR
 

@@ -51,6 +51,12 @@ class TableChanged(RuntimeError):
     longer write it; the caller goes on with delta-rs."""
 
 
+class TableReplaced(OSError):
+    """The table was deleted, and maybe made again, while this appender had
+    it open: its log lacks the version before the one just put, and no
+    checkpoint explains it. The entry put is taken back."""
+
+
 class EntryOutcomeUnknown(OSError):
     """The store gave no answer to a put of a log entry, nor to the read
     after it: the rows may be committed. Their file is kept (an entry may
@@ -279,7 +285,15 @@ class BlindAppender:
             return False
         newest = self._store.newest_checkpoint()
         if newest is None or newest < version:
-            return False
+            # Nothing removes an entry but below a checkpoint: this log is
+            # not the one the appender read (committing here left a gap
+            # every reader refuses, and took offsets another broker holds).
+            self._store.remove_entry(version)
+            raise TableReplaced(
+                f"{self._table.table_uri}: its log has no version {version - 1} and no "
+                "checkpoint past it: the table was deleted or made again while this "
+                "process had it open; open the broker again"
+            )
         self._next = max(self._next, newest + 1)
         return True
 

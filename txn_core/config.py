@@ -56,12 +56,22 @@ def absolute_warehouse(warehouse: str) -> str:
     >>> absolute_warehouse("s3://bucket/wh/")
     's3a://bucket/wh'
     """
+    if warehouse != warehouse.strip():
+        raise ConfigError(
+            f"warehouse {warehouse!r} begins or ends with white space, which would name "
+            "another directory than the one meant"
+        )
     forbidden = sorted({c for c in warehouse if c in WAREHOUSE_FORBIDDEN_CHARACTERS})
     if forbidden:
         raise ConfigError(
             f"warehouse {warehouse!r} holds {' '.join(forbidden)}, which delta-rs or Spark "
             "cannot read in a path; choose a path without any of "
             + " ".join(WAREHOUSE_FORBIDDEN_CHARACTERS)
+        )
+    if "://" not in warehouse and _SCHEME_RE.match(warehouse):
+        raise ConfigError(
+            f"warehouse {warehouse!r} looks like a URI with one slash too few (Spark "
+            "prints file:/path); write file:///path, s3://bucket/prefix, or a plain path"
         )
     if "://" not in warehouse:
         # `~/wh` in a TOML file or a quoted variable: a shell would have expanded it
@@ -97,7 +107,23 @@ def absolute_warehouse(warehouse: str) -> str:
             f"warehouse {warehouse!r} has an unsupported scheme {scheme!r}; "
             "accepted: a local path, file://, s3://, s3a://, abfss://, gs://"
         )
+    # file:///abs/path has an empty host; gs:// and abfss:// name a bucket or container
+    named = rest.startswith("/") and rest.strip("/") if scheme.lower() == "file" else rest
+    if not named or not named.split("/", 1)[0]:
+        raise ConfigError(
+            f"warehouse {warehouse!r} names no "
+            + (
+                "absolute path; expected file:///path"
+                if scheme.lower() == "file"
+                else "bucket or container; expected " + scheme + "://bucket/prefix"
+            )
+            + " (an empty variable in it?)"
+        )
     return warehouse.rstrip("/")
+
+
+#: `file:/path`, `s3:/bucket`: a URI's scheme with one slash too few
+_SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/")
 
 
 #: RocketMQ's default `messageDelayLevel`
@@ -315,16 +341,19 @@ OTHER_ENV = frozenset(
 
 
 def _refuse_misspelt_env(env: Mapping[str, str]) -> None:
-    """A `TXN_*` variable that is no key but nearly one is a typo that would
-    leave its key at the default (`TXN_WAREHOUS`: another warehouse)."""
+    """A `TXN_*` variable that is no key but nearly one, or a key's name
+    extended (`TXN_WAREHOUSE_PATH`), is a typo that would leave its key at
+    the default (`TXN_WAREHOUS`: another warehouse)."""
     names = [ENV_PREFIX + key.upper() for key in _SPECS]
     for name in env:
         if not name.startswith(ENV_PREFIX) or name in names or name in OTHER_ENV:
             continue
-        near = difflib.get_close_matches(name, names, n=1, cutoff=0.85)
+        near = difflib.get_close_matches(name, [*names, *OTHER_ENV], n=1, cutoff=0.85)
+        near = near or [known for known in names if name.startswith(known + "_")]
         if near:
             raise ConfigError(
-                f"environment variable {name} is no configuration key; did you mean {near[0]}?"
+                f"environment variable {name} is not one this project reads; did you mean "
+                f"{near[0]}?"
             )
 
 
@@ -376,6 +405,12 @@ def _from_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     # Accept a flat file, or one with the keys under a [reconcile] table.
     if set(data) == {"reconcile"} and isinstance(data["reconcile"], dict):
         data = data["reconcile"]
+    elif isinstance(data.get("reconcile"), dict):
+        others = ", ".join(sorted(k for k in data if k != "reconcile"))
+        raise ConfigError(
+            f"configuration file {os.fspath(path)!r} has a [reconcile] table and also {others}: "
+            "put every key under [reconcile], or none"
+        )
     return data
 
 

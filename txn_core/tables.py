@@ -138,6 +138,11 @@ def open_existing(
         return None
 
 
+def is_warehouse(warehouse: str, storage_options: dict[str, str] | None = None) -> bool:
+    """Whether producers (`_sys/half`) or the job (`_sys/runs`) ever used `warehouse`."""
+    return any(open_existing(warehouse, t, storage_options) is not None for t in (HALF, RUNS))
+
+
 def ensure_broker_tables(
     warehouse: str, storage_options: dict[str, str] | None = None
 ) -> dict[str, DeltaTable]:

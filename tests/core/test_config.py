@@ -1,6 +1,7 @@
 """Configuration: flag > env > file > default, and refusal of bad values."""
 
 import os
+import re
 
 import pytest
 
@@ -38,9 +39,22 @@ def test_a_relative_warehouse_becomes_absolute_and_an_s3_uri_one_for_both_engine
         load_config(env={}, warehouse="abfss://c@acct.dfs.core.windows.net/wh").warehouse
         == "abfss://c@acct.dfs.core.windows.net/wh"
     )
-    for odd in ("s3://bucket//wh", "s3://bucket/a/./wh", "s3://bucket/a/.."):
+    for odd, problem in [
         # `s3://bucket/$PREFIX/wh` with PREFIX empty: delta-rs' raw error at the first read
-        with pytest.raises(ConfigError, match="may not hold an empty, '.' or '..' part"):
+        ("s3://bucket//wh", "may not hold an empty, '.' or '..' part"),
+        ("s3://bucket/a/./wh", "may not hold an empty, '.' or '..' part"),
+        ("s3://bucket/a/..", "may not hold an empty, '.' or '..' part"),
+        # `file://$WH` with WH empty was the path `file:`: the job's lease went to /_sys
+        ("file://", "names no absolute path; expected file:///path"),
+        ("file://tmp/wh", "names no absolute path"),
+        ("gs://", "names no bucket or container; expected gs://bucket/prefix"),
+        ("abfss://", "names no bucket or container"),
+        # as Spark prints a location: it was a relative directory named `file:`
+        ("file:/data/wh", "looks like a URI with one slash too few"),
+        ("s3:/bucket/wh", "looks like a URI with one slash too few"),
+        ("/data/wh ", "begins or ends with white space"),  # from `TXN_WAREHOUSE="$WH "`
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(problem)):
             load_config(env={}, warehouse=odd)
 
 
@@ -152,12 +166,22 @@ def test_bad_env_value_names_the_variable():
 
 def test_a_misspelt_environment_variable_is_refused_with_the_key_it_nearly_names():
     """`TXN_WAREHOUS` was ignored, and the warehouse was ./warehouse instead."""
-    with pytest.raises(ConfigError, match="TXN_WAREHOUS is no configuration key; did you mean "):
-        load_config(env={"TXN_WAREHOUS": "/data/wh"})
-    with pytest.raises(ConfigError, match="did you mean TXN_S3_ENDPOINT"):
-        load_config(env={"TXN_S3_ENDPIONT": "http://127.0.0.1:9000"})
+    for name, meant in [
+        ("TXN_WAREHOUS", "TXN_WAREHOUSE"),
+        ("TXN_WAREHOUSE_PATH", "TXN_WAREHOUSE"),
+        ("TXN_S3_ENDPIONT", "TXN_S3_ENDPOINT"),
+        ("TXN_SPARK_MASTR", "TXN_SPARK_MASTER"),  # the job ran on local[2] instead
+    ]:
+        with pytest.raises(ConfigError, match=f"{name} is not one .* did you mean {meant}\\?$"):
+            load_config(env={name: "x"})
     others = {"TXN_SPARK_MASTER": "local[1]", "TXN_FAULT_AT": "x", "TXN_MY_OWN": "1"}
     assert load_config(env=others).check_max == Config().check_max  # not near any key
+
+
+def test_a_file_with_keys_both_under_reconcile_and_beside_it_says_so(tmp_path):
+    path = _toml(tmp_path, 'warehouse = "/f"\n[reconcile]\ncheck_max = 5\n')
+    with pytest.raises(ConfigError, match=r"has a \[reconcile\] table and also warehouse: put"):
+        load_config(path, env={})  # was: unknown configuration key 'reconcile'
 
 
 def test_bad_override_and_missing_file(tmp_path):

@@ -462,6 +462,23 @@ def test_keys_tags_and_properties_take_at_most_32767_bytes_together(broker, ware
     assert len(rows(warehouse, "_sys/half")) == 1
 
 
+def test_a_warehouse_made_again_under_a_running_broker_fails_its_sends(warehouse):
+    """Deleted and made again while a broker ran, the warehouse's new log got
+    that broker's next commits after a gap (every reader refused the
+    table), and both brokers held the same epoch, so the same offsets."""
+    old = Broker.open(warehouse)
+    producer = Producer(old, "order_group")
+    for _ in range(3):
+        producer.send(Message(topic="ORDER", body=b"before"))
+    shutil.rmtree(warehouse)
+    with Broker.open(warehouse) as new:
+        Producer(new, "order_group").send(Message(topic="ORDER", body=b"new"))
+    with pytest.raises(PersistError, match="deleted or made again while this process had it"):
+        producer.send(Message(topic="ORDER", body=b"after"))
+    old.close()
+    assert [r["body"] for r in rows(warehouse, "_sys/half")] == [b"new"]
+
+
 def test_closed_broker_refuses_sends(warehouse):
     b = Broker.open(warehouse)
     producer = TransactionProducer(b, "order_group", Scripted())

@@ -182,6 +182,59 @@ def test_bad_environment_value_and_bad_arguments_exit_2(tmp_path, capsys):
     assert not os.path.exists(wh)
 
 
+def test_commands_on_a_warehouse_nobody_used_exit_2_and_make_nothing(tmp_path, capsys):
+    """On a mistyped path `status` and `verify` reported all clear (exit 0),
+    and `resolve` and `cancel` made a new warehouse there."""
+    wh = str(tmp_path / "typo")
+    for args in (
+        ["status"],
+        ["verify"],
+        ["resolve", "--transaction-id", "x", "--commit"],
+        ["cancel", "--msg-id", "x"],
+    ):
+        assert main([*args, "--warehouse", wh]) == 2, args
+        assert f"no warehouse at {wh} (it has no _sys/half and no _sys/runs)" in (
+            capsys.readouterr().err
+        )
+    assert not os.path.exists(wh)
+
+
+def test_the_command_line_refuses_before_spark_what_spark_would_refuse_late(
+    tmp_path, capsys, monkeypatch
+):
+    wh = str(tmp_path / "wh")
+    # every configuration key has its flag, as documented (docs/protocol.md §3.4)
+    assert main(["run", "--warehouse", wh, "--topic-log-retention-hours", "0"]) == 2
+    assert "topic_log_retention_hours from arguments is out of range" in capsys.readouterr().err
+    assert main(["status", "--warehouse", wh, "--now-ms", "-5"]) == 2  # was echoed back
+    assert "--now-ms must be a non-negative integer" in capsys.readouterr().err
+    # Python's spelling of a level: exit 1 once the JVM had started
+    monkeypatch.setenv("TXN_SPARK_LOG_LEVEL", "WARNING")
+    assert main(["run", "--warehouse", wh]) == 2
+    assert "TXN_SPARK_LOG_LEVEL must be one of ALL, DEBUG" in capsys.readouterr().err
+    assert not os.path.exists(wh)
+
+
+def test_submit_sh_passes_help_and_a_flag_without_its_value_to_the_job():
+    """`scripts/submit.sh run --help` put the help text among the JVM's options
+    (the JVM took `usage:` for its main class), and `--conf` without a value
+    was reported by a helper parser calling itself `-c`."""
+    from jobs.reconcile import submit_java_options
+    from jobs.session import DELTA_JAR, submit_packages
+
+    assert "usage" not in submit_java_options(["run", "--help"])
+    assert submit_packages(["run", "--conf"]) == DELTA_JAR
+    done = subprocess.run(
+        ["bash", os.path.join(REPO, "scripts", "submit.sh"), "run", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage: txn-reconcile run" in done.stdout
+
+
 @pytest.mark.parametrize("signals", ["term", "term-twice"])
 def test_a_stop_signal_lets_a_run_finish_and_release_its_lease_and_a_second_stops_it(
     spark, warehouse, signals
