@@ -35,6 +35,7 @@ from txn_core.message import (
     SendResult,
 )
 from txn_core.producer import Producer, TransactionListener, TransactionProducer
+from txn_core.tables import MissingTableError
 from txn_core.vocabulary import ConsumeResult, MessageType
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "Message",
     "MessageType",
     "MessageValidationError",
+    "MissingTableError",
     "NoListenerError",
     "PersistError",
     "Producer",

@@ -453,8 +453,16 @@ def _warehouse_as_text(values: Mapping[str, Any]) -> dict[str, Any]:
     return values
 
 
-def as_config(config: Config | Mapping[str, Any]) -> Config:
-    """Accept a `Config` or a plain dict of configuration keys (notebooks pass dicts)."""
+def as_config(config: Config | Mapping[str, Any] | str | os.PathLike[str]) -> Config:
+    """Accept a `Config`, a plain dict of configuration keys (notebooks pass
+    dicts), or the path of a TOML file, read as `load_config(path)` reads it."""
     if isinstance(config, Config):
         return config
+    if isinstance(config, (str, os.PathLike)):
+        return load_config(config)
+    if not isinstance(config, Mapping):
+        raise ConfigError(
+            "the configuration must be a Config, a dict of its keys or a TOML file's path; "
+            f"got {type(config).__name__}"
+        )
     return Config.from_mapping(config)

@@ -319,7 +319,10 @@ class ConsumedMessage:
 
 
 def read_committed_offsets(
-    warehouse: str, group: str, topic: str, storage_options: dict[str, str] | None = None
+    warehouse: str | os.PathLike[str] | Config,
+    group: str,
+    topic: str,
+    storage_options: dict[str, str] | None = None,
 ) -> dict[int, int]:
     """The group's committed next offset per queue of `topic` ({} when none).
 
@@ -329,7 +332,7 @@ def read_committed_offsets(
     topic and queue of the first row that holds no usable offset. Reading
     joins no group: this is how to look at a group's position from outside.
     """
-    newest = _read_committed(warehouse, group, topic, storage_options)
+    newest = _read_committed(_resolve_warehouse(warehouse), group, topic, storage_options)
     return {queue_id: key[1] for queue_id, key in newest.items()}
 
 

@@ -22,6 +22,7 @@ both. A corrupt row (a null where a value must be) is never deleted.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -32,6 +33,7 @@ from deltalake.exceptions import CommitFailedError
 from schemas import CHECK_ANSWERS, CONSUMER_MEMBERS, CONSUMER_OFFSETS, HALF, OP, RESOLVED
 from schemas.tables import CANCELLED
 from txn_core.broker import Broker
+from txn_core.config import absolute_warehouse
 from txn_core.consumer_group import MEMBER_TIMEOUT_MAX_S
 from txn_core.log_trim import job_cursor, trim_log
 from txn_core.tables import open_existing
@@ -206,7 +208,7 @@ _OFFSET_KEYS_PER_DELETE = 200
 
 
 def maintain_consumer_tables(
-    warehouse: str,
+    warehouse: str | os.PathLike[str],
     now_ms: int,
     *,
     storage_options: dict[str, str] | None = None,
@@ -223,6 +225,7 @@ def maintain_consumer_tables(
     Adds to `report` if given.
     """
     report = MaintenanceReport() if report is None else report
+    warehouse = absolute_warehouse(os.fspath(warehouse))
     members = open_existing(warehouse, CONSUMER_MEMBERS, storage_options)
     if members is not None:
         cutoff = now_ms - int(MEMBER_TIMEOUT_MAX_S * 1000)

@@ -97,7 +97,14 @@ def test_a_pathlib_path_names_a_warehouse_for_producers_and_consumers(tmp_path):
         assert broker.warehouse == str(warehouse)
     deliver(str(warehouse), q0=range(2))
     assert [r["queue_offset"] for r in read_topic(warehouse, "ORDER")] == [0, 1]
-    assert len(Consumer(warehouse, "billing", "ORDER").poll(10)) == 2
+    consumer = Consumer(warehouse, "billing", "ORDER")
+    assert len(consumer.poll(10)) == 2
+    consumer.commit()
+    from txn_core.consumer_group import read_committed_offsets
+    from txn_core.maintenance import maintain_consumer_tables
+
+    assert read_committed_offsets(warehouse, "billing", "ORDER") == {0: 2}  # an AttributeError
+    assert maintain_consumer_tables(warehouse, now_ms=0, vacuum=False).superseded_offset_rows == 0
     for config in (  # and so does every way of configuring one
         load_config(env={}, warehouse=warehouse),
         Config(warehouse=warehouse),
@@ -195,8 +202,12 @@ def test_bad_override_and_missing_file(tmp_path):
         load_config(env={}, bogus=1)
 
 
-def test_plain_dict_is_accepted_and_validated():
+def test_plain_dict_is_accepted_and_validated(tmp_path):
     assert as_config({"check_max": 2}).check_max == 2
+    # a file's path, as operating.md passes one to reconcile_forever (was a raw ValueError)
+    assert as_config(_toml(tmp_path, "check_max = 4\n")).check_max == 4
+    with pytest.raises(ConfigError, match="a Config, a dict of its keys or a TOML file's path"):
+        as_config(["check_max", 2])
     with pytest.raises(ConfigError, match="max_checks_per_run"):
         as_config({"max_checks_per_run": 1.5})
     assert Config()["check_budget"] == "answered"

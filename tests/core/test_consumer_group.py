@@ -236,6 +236,13 @@ def test_read_topic_refuses_an_offset_or_queue_that_is_not_one(warehouse, kwargs
         read_topic(warehouse, "ORDER", **kwargs)
 
 
+def test_a_topic_nothing_was_delivered_to_raises_an_error_txn_core_exports(warehouse):
+    from txn_core import MissingTableError  # documented, and was not exported
+
+    with pytest.raises(MissingTableError, match="topic 'ORDER' has no table"):
+        read_topic(warehouse, "ORDER")
+
+
 def test_a_new_consumer_of_the_group_resumes_at_the_commit(warehouse):
     deliver(warehouse, q0=range(4), q1=range(2))
     consumer = Consumer(warehouse, GROUP, "ORDER", clock=Clock())
