@@ -23,6 +23,13 @@ class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type or out of range."""
 
 
+def int_in_range(name: str, value: object, low: int, high: int) -> int:
+    """`value`, an integer from `low` to `high`, else ConfigError naming `name`."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ConfigError(f"{name} must be an integer from {low} to {high}; got {value!r}")
+    return value
+
+
 #: URI schemes a warehouse may have: S3 (both spellings are one store), and
 #: the stores both engines reach with the user's own settings (ADLS, GCS)
 S3_SCHEMES = ("s3", "s3a")
@@ -244,9 +251,8 @@ class Config:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], origin: str = "mapping") -> Config:
         """Build from a plain dict of configuration keys (missing keys take defaults)."""
-        values = _warehouse_as_text(values)
         _check_all(values, origin)
-        return cls(**values)
+        return cls(**dict(values))
 
 
 # key -> (type, validator, description of the accepted range)
@@ -317,6 +323,8 @@ def _check_all(values: Mapping[str, Any], origin: str) -> None:
 
 def _check(key: str, value: Any, origin: str) -> None:
     kind, ok, accepted = _SPECS[key]
+    if key == "warehouse" and isinstance(value, os.PathLike):
+        value = os.fspath(value)  # as Broker.open and the consumers take one
     # bool is an int in Python; `check_max = true` is still a mistake.
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
         raise ConfigError(
@@ -435,22 +443,12 @@ def load_config(
     if path is not None:
         layers.append((_from_file(path), f"file {os.fspath(path)!r}"))
     layers.append((_from_env(env), "the environment"))
-    given = {k: v for k, v in overrides.items() if v is not None}
-    layers.append((_warehouse_as_text(given), "arguments"))
+    layers.append(({k: v for k, v in overrides.items() if v is not None}, "arguments"))
     for values, origin in layers:
         _check_all(values, origin)
         merged.update(values)
         origins.update(dict.fromkeys(values, origin))
     return Config(**merged)
-
-
-def _warehouse_as_text(values: Mapping[str, Any]) -> dict[str, Any]:
-    """`values`, a `warehouse` given as a `pathlib.Path` as its text (Broker.open
-    and the consumers take one too)."""
-    values = dict(values)
-    if isinstance(values.get("warehouse"), os.PathLike):
-        values["warehouse"] = os.fspath(values["warehouse"])
-    return values
 
 
 def as_config(config: Config | Mapping[str, Any] | str | os.PathLike[str]) -> Config:

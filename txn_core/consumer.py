@@ -22,7 +22,7 @@ from deltalake.exceptions import TableNotFoundError
 
 from schemas import topic_path
 from txn_core import forks
-from txn_core.config import Config, ConfigError, absolute_warehouse
+from txn_core.config import Config, absolute_warehouse, int_in_range
 from txn_core.message import QUEUE_ID_MAX, QUEUE_OFFSET_MAX, validate_topic
 from txn_core.storage import Storage, options_for, use
 from txn_core.tables import MissingTableError, check_topic_table
@@ -47,11 +47,11 @@ def read_topic(
     """
     forks.note_use("read_topic")
     validate_topic(topic)
-    from_queue_offset = _non_negative("from_queue_offset", from_queue_offset, QUEUE_OFFSET_MAX)
+    from_queue_offset = int_in_range("from_queue_offset", from_queue_offset, 0, QUEUE_OFFSET_MAX)
     if queue_id is not None:
-        queue_id = _non_negative("queue_id", queue_id, QUEUE_ID_MAX)
+        queue_id = int_in_range("queue_id", queue_id, 0, QUEUE_ID_MAX)
     if limit is not None:
-        limit = _non_negative("limit", limit, QUEUE_OFFSET_MAX)
+        limit = int_in_range("limit", limit, 0, QUEUE_OFFSET_MAX)
     if isinstance(warehouse, Config):
         warehouse = use(Storage.from_config(warehouse), check=False).warehouse
     else:  # as producers and the job name it (`~`, a relative path, s3://)
@@ -96,9 +96,3 @@ def _read(table: DeltaTable, files: str, condition: pc.Expression) -> pa.Table:
     """The rows matching `condition`, opening only the files whose
     statistics may hold rows matching `files` (SQL text)."""
     return table.to_pyarrow_dataset(file_pruning_predicate=files).to_table(filter=condition)
-
-
-def _non_negative(name: str, value: object, high: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= high:
-        raise ConfigError(f"{name} must be an integer from 0 to {high}; got {value!r}")
-    return value

@@ -53,7 +53,7 @@ from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundErr
 from schemas import CONSUMER_MEMBERS, CONSUMER_OFFSETS, DLQ, HALF, TOPIC, table_path, topic_path
 from schemas.arrow import arrow_schema
 from txn_core import forks
-from txn_core.config import Config, ConfigError, absolute_warehouse
+from txn_core.config import Config, ConfigError, absolute_warehouse, int_in_range
 from txn_core.errors import BrokerClosedError, MessageValidationError, PersistError, TxnError
 from txn_core.message import QUEUE_ID_MAX, QUEUE_OFFSET_MAX, validate_topic
 from txn_core.storage import Storage, options_for, use
@@ -180,16 +180,6 @@ def _positive_int(value: object, name: str) -> int:
         raise ConfigError(f"{name} must be an integer, got {type(value).__name__}")
     if value < 1:
         raise ConfigError(f"{name} must be positive, got {value}")
-    return value
-
-
-def _non_negative_int(value: object, name: str, high: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ConfigError(f"{name} must be an integer, got {type(value).__name__}")
-    if value < 0:
-        raise ConfigError(f"{name} must not be negative, got {value}")
-    if value > high:
-        raise ConfigError(f"{name} must be at most {high}, got {value}")
     return value
 
 
@@ -523,8 +513,8 @@ class Consumer:
         (a queue id never seen before counts as a new queue of the topic).
         """
         self._check_open()
-        queue_id = _non_negative_int(queue_id, "queue_id", QUEUE_ID_MAX)
-        offset = _non_negative_int(offset, "offset", QUEUE_OFFSET_MAX)
+        queue_id = int_in_range("queue_id", queue_id, 0, QUEUE_ID_MAX)
+        offset = int_in_range("offset", offset, 0, QUEUE_OFFSET_MAX)
         self._heartbeat_if_due()
         if queue_id not in self._held and queue_id not in self._queues:
             self._queues.add(queue_id)
@@ -955,8 +945,9 @@ def _queue_ids_outside(known: list[int]) -> str:
     consecutive known ids, as ranges a file's min/max statistics can rule
     out where NOT IN cannot. Only the `KNOWN_RUNS_IN_PREDICATE_MAX` longest
     runs are left out: ids hashed from keys make thousands of runs, and
-    delta-rs crashed on a predicate of 8,000 terms. A known id in a shorter
-    run only lets a file be opened; the scan's filter leaves its rows out."""
+    delta-rs crashes on a predicate that long (docs/performance.md). A known
+    id in a shorter run only lets a file be opened; the scan's filter leaves
+    its rows out."""
     runs: list[list[int]] = []
     for queue_id in known:
         if runs and queue_id == runs[-1][1] + 1:

@@ -174,9 +174,9 @@ def test_seek_out_of_range_is_refused_and_leaves_the_consumer_as_it_was(warehous
     membership row failed, and every later poll raised a cast error."""
     deliver(warehouse, q0=range(2))
     consumer = Consumer(warehouse, GROUP, "ORDER")
-    with pytest.raises(ConfigError, match="queue_id must be at most 2147483647, got 2147483648"):
+    with pytest.raises(ConfigError, match="queue_id must be an integer from 0 to 2147483647; got"):
         consumer.seek(2**31, 0)
-    with pytest.raises(ConfigError, match="offset must be at most 9223372036854775807"):
+    with pytest.raises(ConfigError, match="offset must be an integer from 0 to 922337203685477"):
         consumer.seek(0, 2**63)
     assert offsets(consumer.poll()) == [(0, 0), (0, 1)]
 
@@ -355,7 +355,7 @@ def test_bad_poll_and_seek_arguments_are_refused(warehouse):
     consumer = Consumer(warehouse, GROUP, "ORDER")
     with pytest.raises(ConfigError, match="max_messages must be positive"):
         consumer.poll(0)
-    with pytest.raises(ConfigError, match="offset must not be negative"):
+    with pytest.raises(ConfigError, match="offset must be an integer from 0 to"):
         consumer.seek(0, -1)
     with pytest.raises(ConfigError, match="topic"):
         Consumer(warehouse, GROUP, "bad/topic")
