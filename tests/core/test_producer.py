@@ -1,4 +1,4 @@
-"""Broker core semantics, docs/protocol.md §3.1, items 1–8."""
+"""Broker core semantics, docs/protocol.md §3.1, items 1–10."""
 
 import json
 import os
