@@ -87,21 +87,12 @@ def table_schema(table) -> StructType:
     return StructType.fromJson(json.loads(table.schema().to_json()))
 
 
-def write(df: DataFrame, table, mode: str, user_metadata: str) -> int:
-    """Write `df` (its columns those of `table`: `committable`) to the table
-    as one commit, appended or replacing every row (`mode`), with
-    `user_metadata` in its commitInfo. Returns the version committed.
-
-    A null in a NOT NULL column fails the Spark job, naming the column, and
-    nothing is committed (as Delta's writer does).
-    """
-    _check_mode(mode)
-    return commit(table, stage(df, table), mode, user_metadata)
-
-
 def stage(df: DataFrame, table) -> list:
-    """Write `df`'s rows as files into the table's directory, uncommitted
-    (invisible to readers); their `add` actions, for `commit`."""
+    """Write `df`'s rows (its columns those of `table`: `committable`) as
+    files into the table's directory, uncommitted (invisible to readers);
+    their `add` actions, for `commit`. A null in a NOT NULL column fails the
+    Spark job, naming the column, and nothing is staged (as Delta's writer
+    does)."""
     root = local_path(table.table_uri)
     if root is None:
         return _stage_on_s3(df, table)
@@ -317,13 +308,16 @@ def commit(table, adds: list, mode: str, user_metadata: str) -> int:
 
 def commit_options(user_metadata: str) -> dict:
     """The keywords of a job's delta-rs commit: `user_metadata` in its
-    commitInfo, and no checkpoint or log clean-up of delta-rs' own
-    (`after_commit` does them as Delta does)."""
+    commitInfo, no retry (a commit from a stale version fails rather than
+    land on top of another run's: `jobs.fence`), and no checkpoint or log
+    clean-up of delta-rs' own (`after_commit` does them as Delta does)."""
     from deltalake import CommitProperties
     from deltalake.transaction import PostCommitHookProperties
 
     return {
-        "commit_properties": CommitProperties(custom_metadata={"userMetadata": user_metadata}),
+        "commit_properties": CommitProperties(
+            custom_metadata={"userMetadata": user_metadata}, max_commit_retries=0
+        ),
         "post_commithook_properties": PostCommitHookProperties(
             create_checkpoint=False, cleanup_expired_logs=False
         ),

@@ -9,6 +9,8 @@ run may set to any instant), or at once when its holder ran on this host and
 its process is gone. A background thread renews a working run's lease
 (`renewed`), and the run checks it before each write (`keep_alive`): a run that
 stalls or loses its storage long enough for another to take over stops writing.
+Those are timed promises; what makes a stalled run's commits harmless whatever
+the clocks say is `verify` and the fence built on it (`jobs.fence`).
 """
 
 from __future__ import annotations
@@ -76,25 +78,37 @@ class Lease:
         self.lost: str | None = None
         self._renewed_ms = 0
         self._renewing = threading.Lock()  # the run's output writes renew from several threads
+        #: when (time.monotonic_ns) the last read that found this holder's row the newest began
+        self._verified_from_ns = -1
+        self._verifying = threading.Lock()
+        #: (a version of the lease table whose newest row is this holder's, what
+        #: tells its log entry from another file: `kept_tables.log_entry`): while
+        #: that entry is the newest, nothing was committed since (no row to read)
+        self._own: tuple[int, object] | None = None
 
     def _now_ms(self) -> int:
         return int(self.clock() * 1000)
 
     @contextmanager
-    def _read(self):
-        """(the lease table, its row) for the block: the table kept open
-        between runs (`txn_core.kept_tables`), up to date, or opened (made
-        if missing)."""
+    def _taken(self):
+        """The lease table for the block: the table kept open between runs
+        (`txn_core.kept_tables`), up to date, or opened (made if missing)."""
         uri = table_path(self.warehouse, LEASE)
         try:
             table = kept_tables.take(uri, options_for(uri, self.storage_options))
         except TableNotFoundError:
             table = lease_table(self.warehouse, self.storage_options)
         try:
-            rows = table.to_pyarrow_table().to_pylist()
-            yield table, (LeaseRow(**rows[-1]) if rows else None)
+            yield table
         finally:
             kept_tables.give_back(table)
+
+    @contextmanager
+    def _read(self):
+        """(the lease table, its row) for the block (`_taken`)."""
+        with self._taken() as table:
+            rows = table.to_pyarrow_table().to_pylist()
+            yield table, (LeaseRow(**rows[-1]) if rows else None)
 
     def _blocking(self, row: LeaseRow | None) -> bool:
         """Does `row` keep us out?"""
@@ -123,6 +137,7 @@ class Lease:
             table, data, mode="overwrite", commit_properties=CommitProperties(max_commit_retries=0)
         )
         checkpoint_and_trim(table)
+        self._own = self._entry_of(table.version()) if action != "RELEASE" else None
 
     def acquire(self) -> Lease:
         with self._read() as (table, row):
@@ -157,22 +172,77 @@ class Lease:
                 self.lost = str(exc)
                 raise
 
+    def verify(self, read_after_ns: int | None = None) -> None:
+        """Raise LeaseLost unless this holder's row is still the lease table's
+        newest, as the store says, whatever any clock says: no other runner has
+        taken the lease since this holder last wrote it. While the entry of
+        this holder's last known version is the log's newest, one look at the
+        log says so (`_still_own`); otherwise the row is read.
+
+        `read_after_ns` (`time.monotonic_ns`): what the caller needs is a read
+        begun after that moment, so a read that began after it and found the
+        row this holder's serves (commits made at once share one read); None:
+        a read now. A commit made from a table version read before such a read,
+        with no retry, cannot land on top of another run's commit
+        (`jobs.fence`).
+        """
+        if self.lost is not None:
+            raise LeaseLost(self.lost)
+        with self._verifying:
+            if read_after_ns is not None and self._verified_from_ns > read_after_ns:
+                return
+            began = time.monotonic_ns()
+            if not self._still_own():
+                with self._read() as (table, row):
+                    self._check_row(row)
+                    self._own = self._entry_of(table.version())
+            self._verified_from_ns = began
+
+    def _still_own(self) -> bool:
+        """Whether the entry of this holder's last known version is still the
+        lease table's newest (one look at its log), so its row still is."""
+        own = self._own
+        if own is None:
+            return False
+        uri = table_path(self.warehouse, LEASE)
+        seen = kept_tables.log_entry(uri, own[0], options_for(uri, self.storage_options))
+        return seen is not None and seen[0] is not None and seen == (own[1], False)
+
+    def _entry_of(self, version: int) -> tuple[int, object] | None:
+        """`_own` for `version`, whose newest row is this holder's; None when
+        its entry cannot be told apart or is no longer the newest."""
+        uri = table_path(self.warehouse, LEASE)
+        seen = kept_tables.log_entry(uri, version, options_for(uri, self.storage_options))
+        if seen is None or seen[0] is None or seen[1]:
+            return None
+        return version, seen[0]
+
+    def _check_row(self, row: LeaseRow | None) -> None:
+        """LeaseLost (remembered: every later check raises it) unless `row`,
+        the lease table's newest, is this holder's and not a release."""
+        if row is not None and row.holder == self.holder and row.action != "RELEASE":
+            return
+        self.held, self._own = False, None
+        self.lost = (
+            f"the job's lease was taken over by {row.holder if row else 'nobody'}"
+            " while this run was working; its intent will be redone"
+        )
+        raise LeaseLost(self.lost)
+
     def _keep_alive(self) -> None:
         if not self.held or self._now_ms() - self._renewed_ms < self.ttl_ms // 3:
             return
+        began = time.monotonic_ns()
         with self._read() as (table, row):
-            if row is None or row.holder != self.holder:
-                self.held = False
-                raise LeaseLost(
-                    f"the job's lease was taken over by {row.holder if row else 'nobody'}"
-                    " while this run was working; its intent will be redone"
-                )
+            self._check_row(row)
             try:
                 self._write(table, "RENEW", self._now_ms() + self.ttl_ms)
             except (CommitFailedError, DeltaError) as exc:
-                self.held = False
+                self.held, self._own = False, None
                 raise LeaseLost(f"lost the job's lease while renewing it: {exc}") from exc
         self._renewed_ms = self._now_ms()
+        with self._verifying:
+            self._verified_from_ns = max(self._verified_from_ns, began)
 
     @contextmanager
     def renewed(self, every_s: float | None = None):
@@ -207,7 +277,7 @@ class Lease:
     def release(self) -> None:
         if not self.held:
             return
-        self.held = False
+        self.held, self._own = False, None
         with self._read() as (table, row):
             if row is None or row.holder != self.holder:
                 return

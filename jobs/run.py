@@ -157,9 +157,9 @@ def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSumm
     intent = _new_intent(spark, wh, last, cfg, now_ms)
     lease.keep_alive()
     if _nothing_to_do(last, intent):
-        summary = _record_idle_run(wh, last, intent)
+        summary = _record_idle_run(wh, last, intent, lease)
     else:
-        run_log.write_run_record(wh, intent)
+        run_log.write_run_record(wh, intent, lease)
         fault_point("after_intent")
         summary = _execute(spark, cfg, intent, lease, pending=_pending_after(last)).summary
     summary.redone_run_id = redone
@@ -249,7 +249,9 @@ def _pending_after(last: run_log.RunRecord | None) -> int | None:
     return int(last.counters.get("pending_after") or 0)
 
 
-def _record_idle_run(wh: str, last: run_log.RunRecord, intent: run_log.RunRecord) -> RunSummary:
+def _record_idle_run(
+    wh: str, last: run_log.RunRecord, intent: run_log.RunRecord, lease: Lease
+) -> RunSummary:
     """The run record of a run with nothing to do, written as one COMMITTED
     row: with no other write there is nothing for an intent to make atomic."""
     started = time.time()
@@ -287,7 +289,7 @@ def _record_idle_run(wh: str, last: run_log.RunRecord, intent: run_log.RunRecord
         next_scheduled_ms=carried.get("next_scheduled_ms"),
     )
     summary.duration_ms = int((time.time() - started) * 1000)
-    _commit(wh, intent, summary)
+    _commit(wh, intent, summary, lease)
     return summary
 
 
@@ -393,7 +395,7 @@ def _execute(
             summary = _summary(record, out, int((time.time() - started) * 1000))
             if write:
                 lease.keep_alive()
-                record = _commit(wh, record, summary)
+                record = _commit(wh, record, summary, lease)
             return _Executed(record, summary)
         finally:
             if writes is not None:
@@ -417,7 +419,9 @@ def _summary(record: run_log.RunRecord, out: Outputs, duration_ms: int) -> RunSu
     )
 
 
-def _commit(wh: str, record: run_log.RunRecord, summary: RunSummary) -> run_log.RunRecord:
+def _commit(
+    wh: str, record: run_log.RunRecord, summary: RunSummary, lease: Lease | None
+) -> run_log.RunRecord:
     d = summary.to_dict()
     done = run_log.RunRecord(
         **{
@@ -429,6 +433,6 @@ def _commit(wh: str, record: run_log.RunRecord, summary: RunSummary) -> run_log.
             "summary_json": summary.to_json(),
         }
     )
-    run_log.write_run_record(wh, done)
+    run_log.write_run_record(wh, done, lease)
     fault_point("after_commit")
     return done

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field, fields
 
 import pyarrow as pa
 
+from jobs import fence
+from jobs.lease import Lease
 from jobs.tagged_writes import run_tag
 from schemas import RUNS, table_path
 from schemas.arrow import arrow_schema
@@ -79,8 +81,10 @@ def last_run(warehouse: str) -> RunRecord | None:
     return RunRecord.from_row(rows[0])
 
 
-def write_run_record(warehouse: str, record: RunRecord) -> None:
-    """Append one row to `_sys/runs`, tagged like the run's other commits.
+def write_run_record(warehouse: str, record: RunRecord, lease: Lease | None = None) -> None:
+    """Append one row to `_sys/runs`, tagged like the run's other commits and
+    fenced by the run's `lease` like them (`jobs.fence`): a run that lost its
+    lease records neither an intent nor a COMMITTED row.
 
     Never a redo: a run's STARTED row is written once (a crash after it makes
     the next invocation redo that run, not write it again), and once its
@@ -100,11 +104,9 @@ def write_run_record(warehouse: str, record: RunRecord) -> None:
     tag = run_tag(record.run_number, f"{RUNS.path}:{record.status}")
     path = table_path(warehouse, RUNS)
     table = kept_tables.take(path, options_for(path))
-    write_deltalake(
-        table,
-        row,
-        mode="append",
-        commit_properties=CommitProperties(custom_metadata={"userMetadata": tag}),
+    once = CommitProperties(custom_metadata={"userMetadata": tag}, max_commit_retries=0)
+    fence.commit(
+        table, lease, lambda: write_deltalake(table, row, mode="append", commit_properties=once)
     )
     checkpoint_and_trim(table)
     kept_tables.give_back(table)

@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pyspark.sql import DataFrame
 
-from jobs import commits, driver_writes
+from jobs import commits, driver_writes, fence
+from jobs.lease import Lease
 from txn_core.storage import options_for
 
 
@@ -21,7 +22,7 @@ def run_tag(run_number: int, app: str) -> str:
     return json.dumps({"txn_reconcile_run": run_number, "table": app}, sort_keys=True)
 
 
-def _read_tag(user_metadata: str | None) -> tuple[int, str] | None:
+def read_tag(user_metadata: str | None) -> tuple[int, str] | None:
     try:
         tag = json.loads(user_metadata or "")
         return int(tag["txn_reconcile_run"]), str(tag["table"])
@@ -38,36 +39,51 @@ def write_for_run(
     mode: str = "append",
     redo: bool = False,
     collect: bool = False,
+    lease: Lease | None = None,
 ) -> bool:
     """Write `df` as run `run_number`'s commit to `path`, tagged with the run
-    (`run_tag`). On a redo, skip the write when the crashed attempt already
-    committed it (`committed_by_run`). Returns whether it wrote.
+    (`run_tag`), fenced by the run's `lease` (`jobs.fence`). On a redo, skip
+    the write when the crashed attempt already committed it
+    (`committed_by_run`). Returns whether it wrote.
 
     `collect`: the rows are few, collected by the driver and committed by
     delta-rs (`jobs.driver_writes`). Otherwise written by `jobs.commits`
     (Spark's parquet writer, then a delta-rs commit). Either only where that
     commit is the one Delta's writer would make, which saves the writer's
-    snapshot and post-commit jobs; by Delta's writer everywhere else.
+    snapshot and post-commit jobs; by Delta's writer everywhere else, with
+    Delta's own fence: its idempotent-write record (txnAppId
+    `reconcile:<app>`, txnVersion the run), which it checks within the commit.
 
-    Why tags, not Delta's txnAppId/txnVersion: Delta checks those against the
-    table's whole reconstructed state, a Spark job per table written — most of a
-    small run's time — while the tag is needed only on a redo, where reading the
-    last commits' commitInfo with delta-rs is quick. A first attempt cannot find
-    its own commit, and two attempts never write at once: the run holds the lease
-    and checks it before each write (`jobs.lease`).
+    Why tags, not Delta's txnAppId/txnVersion, where delta-rs commits: Delta
+    checks those against the table's whole reconstructed state, a Spark job per
+    table written — most of a small run's time — while the tag is needed only
+    on a redo, where reading the last commits' commitInfo with delta-rs is
+    quick. A first attempt cannot find its own commit, and a stalled attempt
+    cannot commit once another has taken over (`jobs.fence`).
     """
     if redo and committed_by_run(path, run_number, app):
         return False
     tag = run_tag(run_number, app)
     table = commits.committable(path, df) if collect else None
     if table is not None:
-        driver_writes.write(driver_writes.collect(df), table, mode, tag)
+        rows = driver_writes.collect(df)
+        fence.commit(table, lease, lambda: driver_writes.write(rows, table, mode, tag))
         return True
     table = commits.committable(path, df)
     if table is not None:
-        commits.write(df, table, mode, tag)
-    else:
-        df.write.format("delta").mode(mode).option("userMetadata", tag).save(path)
+        adds = commits.stage(df, table)
+        fence.commit(table, lease, lambda: commits.commit(table, adds, mode, tag))
+        return True
+    if lease is not None:
+        lease.verify()
+    (
+        df.write.format("delta")
+        .mode(mode)
+        .option("userMetadata", tag)
+        .option("txnAppId", f"reconcile:{app}")
+        .option("txnVersion", run_number)
+        .save(path)
+    )
     return True
 
 
@@ -144,7 +160,7 @@ def _tagged(commits: list[dict], run_number: int, app: str) -> bool | None:
     """True: `commits` (newest first) hold the run's commit of `app`; False:
     they reach an earlier run's commit first; None: neither."""
     for commit in commits:
-        tag = _read_tag(commit.get("userMetadata"))
+        tag = read_tag(commit.get("userMetadata"))
         if tag == (run_number, app):
             return True
         if tag is not None and tag[0] < run_number:

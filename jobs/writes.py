@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pyspark.sql import functions as F
 
-from jobs import driver_writes, job_tables, tagged_writes
+from jobs import driver_writes, fence, job_tables, tagged_writes
 from jobs.counters import Counters
 from jobs.faults import InjectedFault, fault_point
 from jobs.held import Held
@@ -120,7 +120,9 @@ def _put(
     df, path: str, app: str, mode: str, collect: bool, run_number: int, lease: Lease, redo: bool
 ) -> None:
     lease.keep_alive()  # never write once another run may have taken over
-    tagged_writes.write_for_run(df, path, run_number, app, mode=mode, redo=redo, collect=collect)
+    tagged_writes.write_for_run(
+        df, path, run_number, app, mode=mode, redo=redo, collect=collect, lease=lease
+    )
     fault_point(f"after:{app}")
 
 
@@ -141,7 +143,8 @@ def _put_deliveries(
 
     def commit(topic: str) -> None:
         lease.keep_alive()
-        append[topic](tagged_writes.run_tag(run_number, _app(topic)))
+        tag = tagged_writes.run_tag(run_number, _app(topic))
+        fence.commit(tables[topic], lease, lambda: append[topic](tag))
         fault_point(f"after:{_app(topic)}")
 
     _each_topic(commit, todo)
@@ -161,7 +164,8 @@ def _put_collected_deliveries(
     def commit(topic: str) -> None:
         lease.keep_alive()
         tag = tagged_writes.run_tag(run_number, _app(topic))
-        driver_writes.write(by_topic[topic], todo[topic], "append", tag)
+        table, rows = todo[topic], by_topic[topic]
+        fence.commit(table, lease, lambda: driver_writes.write(rows, table, "append", tag))
         fault_point(f"after:{_app(topic)}")
 
     _each_topic(commit, todo)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -50,6 +51,9 @@ _lock = threading.Lock()
 #: `take` checked them (a HEAD request on S3), for `give_back` of a table
 #: nobody committed to (a DeltaTable is not hashable: no dict can key it)
 _CHECKED = "_txn_kept_checked"
+#: the attribute of a taken table holding (its version, `time.monotonic_ns`
+#: once `take` had read it there), for `read_at`
+_READ = "_txn_kept_read"
 
 
 def take(
@@ -72,10 +76,24 @@ def take(
                 # given back still at the version checked here, it needs no new check
                 setattr(table, _CHECKED, (checked_at, identity))
                 if version is None or table.version() == version:
-                    return table
+                    return _read_now(table)
                 give_back(table)  # up to date, for the next user; this one wants another version
     opened: DeltaTable = open_table(uri, version=version, storage_options=storage_options)
-    return opened
+    return _read_now(opened)
+
+
+def read_at(table: DeltaTable) -> int | None:
+    """When (`time.monotonic_ns`) `take` had read `table` at the version it
+    is at: every commit up to that version was made before then. None for a
+    table `take` did not hand out, or one that moved since (its version
+    read later, by someone else's call)."""
+    read = table.__dict__.get(_READ)
+    return read[1] if read is not None and read[0] == table.version() else None
+
+
+def _read_now(table: DeltaTable) -> DeltaTable:
+    setattr(table, _READ, (table.version(), time.monotonic_ns()))
+    return table
 
 
 def give_back(table: DeltaTable) -> None:
@@ -144,6 +162,65 @@ def _s3_entry_identity(table: DeltaTable, version: int) -> Identity | None:
     except (BotoCoreError, ClientError):
         return None
     return head.get("ETag"), head.get("LastModified")
+
+
+def log_entry(
+    uri: str, version: int, storage_options: dict[str, str] | None = None
+) -> tuple[object | None, bool] | None:
+    """(what tells the log entry of `version` of the table at `uri` from
+    another file at its path, None when it is gone; whether an entry of a
+    later version exists), in one look: two `stat`s on a local disk, one
+    LIST on S3 (its ETag, with the client of the table's registered
+    warehouse). None where that cannot be told: another store, or other
+    options than the warehouse's.
+
+    Cheaper than bringing a table up to date (on S3 a HEAD, a LIST and a
+    GET), for a caller that only asks whether anything was committed after
+    a version it knows.
+    """
+    if is_s3(uri):
+        return _s3_log_entry(uri, version, storage_options)
+    root = local_path(uri)
+    if root is None:
+        return None
+    log = os.path.join(root, "_delta_log")
+    try:
+        st = os.stat(os.path.join(log, f"{version:020d}.json"))
+        identity: object | None = (st.st_ino, st.st_mtime_ns)
+    except FileNotFoundError:
+        identity = None
+    # versions are committed one after another: a later one exists iff the next does
+    return identity, os.path.exists(os.path.join(log, f"{version + 1:020d}.json"))
+
+
+def _s3_log_entry(
+    uri: str, version: int, storage_options: dict[str, str] | None
+) -> tuple[object | None, bool] | None:
+    storage = registered(uri)
+    if storage is None or storage.delta_rs_options() != storage_options:
+        return None
+    bucket, _, key = uri.split("://", 1)[1].partition("/")
+    log = f"{key.strip('/')}/_delta_log/"
+    entry = f"{version:020d}.json"
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        client = storage.s3_client()
+    except (ImportError, StorageError):
+        return None
+    try:
+        # keys sort as versions do, a version's checkpoint before its entry,
+        # and `_last_checkpoint` after every version: the entry, then what follows
+        listed = client.list_objects_v2(
+            Bucket=bucket, Prefix=log, StartAfter=log + entry[:-1], MaxKeys=2
+        )
+    except (BotoCoreError, ClientError):
+        return None
+    names = [obj["Key"][len(log) :] for obj in listed.get("Contents", [])]
+    etags = [obj.get("ETag") for obj in listed.get("Contents", [])]
+    identity = etags[0] if names[:1] == [entry] else None
+    later = names[1:] if identity is not None else names
+    return identity, any(name[:20].isdigit() and int(name[:20]) > version for name in later)
 
 
 def _updated(table: DeltaTable) -> bool:

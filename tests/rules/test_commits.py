@@ -12,6 +12,7 @@ import pytest
 from deltalake import DeltaTable
 
 from jobs import commits, job_tables, tagged_writes
+from jobs.lease import Lease
 from schemas import QUEUES, TOPIC
 from schemas.spark import spark_schema
 
@@ -124,6 +125,20 @@ def test_other_columns_or_a_check_constraint_go_to_deltas_writer(spark, warehous
     assert DeltaTable(path).history(1)[0]["userMetadata"] == tagged_writes.run_tag(
         2, "topics/ORDER"
     )
+    assert [r.queue_offset for r in spark.read.format("delta").load(path).collect()] == [5]
+
+
+def test_deltas_writer_adds_nothing_for_a_run_another_attempt_already_wrote(spark, warehouse):
+    """Where Delta's writer writes, its idempotent-write record is the fence
+    (`jobs.fence`): checked within its commit, so an attempt that passed its
+    lease check and then stalled while another committed adds nothing."""
+    path = _topic_table(spark, warehouse)
+    spark.sql(f"ALTER TABLE delta.`{path}` ADD CONSTRAINT positive CHECK (queue_offset >= 0)")
+    lease = Lease(warehouse, 600).acquire()
+    tagged_writes.write_for_run(_topic_rows(spark, [5]), path, 2, "topics/ORDER", lease=lease)
+    # the stalled attempt of run 2, then one of run 1, both past their lease checks
+    tagged_writes.write_for_run(_topic_rows(spark, [5]), path, 2, "topics/ORDER", lease=lease)
+    tagged_writes.write_for_run(_topic_rows(spark, [4]), path, 1, "topics/ORDER", lease=lease)
     assert [r.queue_offset for r in spark.read.format("delta").load(path).collect()] == [5]
 
 
