@@ -641,31 +641,44 @@ def _discard_differences(
     ]
 
 
-def _queue_differences(expected: DataFrame, queues: DataFrame) -> DataFrame:
-    """Next queue offsets carried by the job continue exactly after the last row."""
+def _queue_differences(expected: DataFrame, queues: DataFrame) -> list[DataFrame]:
+    """Next queue offsets carried by the job continue exactly after the last
+    row, in one row a queue (two rows would hide each other in the join)."""
     rows_per_queue = (
         expected.where(_is(DELIVERED))
         .groupBy("topic", "queue_id")
         .agg(F.count("*").alias("n_expected"))
     )
-    qj = rows_per_queue.join(
-        queues.select("topic", "queue_id", "next_queue_offset"), ["topic", "queue_id"], "full_outer"
+    carried = queues.groupBy("topic", "queue_id").agg(
+        F.count("*").alias("n_rows"), F.max("next_queue_offset").alias("next_queue_offset")
     )
+    qj = rows_per_queue.join(carried, ["topic", "queue_id"], "full_outer")
     n_expected = F.coalesce(F.col("n_expected"), F.lit(0))
-    return _diff(
-        qj.where(~n_expected.eqNullSafe(F.coalesce(F.col("next_queue_offset"), F.lit(0))))
-        .withColumn("half_offset", F.lit(None))
-        .withColumn("transaction_id", F.lit(None)),
-        "queue_state_mismatch",
-        F.concat(
-            F.lit(QUEUES.path + " "),
-            F.col("topic"),
-            F.lit(" queue "),
-            F.col("queue_id").cast("string"),
-        ),
-        n_expected.cast("string"),
-        F.col("next_queue_offset").cast("string"),
+    queue = F.concat(
+        F.lit(QUEUES.path + " "), F.col("topic"), F.lit(" queue "), F.col("queue_id").cast("string")
     )
+
+    def of_queues(df: DataFrame) -> DataFrame:
+        return df.withColumn("half_offset", F.lit(None)).withColumn("transaction_id", F.lit(None))
+
+    return [
+        _diff(
+            of_queues(
+                qj.where(~n_expected.eqNullSafe(F.coalesce(F.col("next_queue_offset"), F.lit(0))))
+            ),
+            "queue_state_mismatch",
+            queue,
+            n_expected.cast("string"),
+            F.col("next_queue_offset").cast("string"),
+        ),
+        _diff(
+            of_queues(carried.where("n_rows > 1")),
+            "duplicate_queue",
+            queue,
+            "1 row",
+            F.concat(F.col("n_rows").cast("string"), F.lit(" rows")),
+        ),
+    ]
 
 
 def _rejected_differences(
@@ -892,7 +905,7 @@ def _audit(spark: SparkSession, wh: str, keep: Callable[[DataFrame], DataFrame])
                 *_topic_differences(delivered_rows, expected),
                 *_pending_differences(tables[PENDING.path], expected),
                 *_resolved_differences(tables[RESOLVED.path], expected),
-                _queue_differences(expected, tables[QUEUES.path]),
+                *_queue_differences(expected, tables[QUEUES.path]),
                 *_rejected_differences(expected, ops, tables[REJECTED.path], cancelled),
                 *cancel_diffs,
             ]
