@@ -62,7 +62,7 @@ def commit(table, lease: Lease | None, make: Callable[[], R]) -> R:
         return make()
     read_ns = read_at(table)
     for _ in range(FOREIGN_COMMITS_STEPPED_OVER + 1):
-        lease.verify(read_ns if read_ns is not None else time.monotonic_ns())
+        lease.verify(read_ns)
         version = table.version()
         try:
             return make()

@@ -185,18 +185,25 @@ RUN_COMMITS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def one_run(spark, tmp_path_factory) -> dict:
+    """The outputs of one run over `_seed`'s messages, undisturbed."""
+    clean = str(tmp_path_factory.mktemp("clean"))
+    _seed(clean)
+    reconcile(spark, {"warehouse": clean}, now_ms=NOW_MS)
+    return _outputs(clean)
+
+
 @pytest.mark.parametrize("table,nth", RUN_COMMITS, ids=[f"{t}#{n}" for t, n in RUN_COMMITS])
 def test_a_run_stalled_at_any_commit_while_another_completes_it_leaves_one_runs_outputs(
-    spark, tmp_path, monkeypatch, table, nth
+    spark, tmp_path, monkeypatch, one_run, table, nth
 ):
     """The stalled run has checked its lease and is about to commit when the
     other run, whose clock says the lease expired, takes over, completes the
     stalled run's intent (or makes run 1 itself) and releases the lease."""
-    clean, stalled = str(tmp_path / "clean"), str(tmp_path / "stalled")
-    for wh in (clean, stalled):
-        os.makedirs(wh)
-        _seed(wh)
-    reconcile(spark, {"warehouse": clean}, now_ms=NOW_MS)
+    stalled = str(tmp_path / "stalled")
+    os.makedirs(stalled)
+    _seed(stalled)
 
     commit = fence.commit
     seen: list[str] = []
@@ -217,7 +224,7 @@ def test_a_run_stalled_at_any_commit_while_another_completes_it_leaves_one_runs_
     with pytest.raises(LeaseLost):
         reconcile(spark, {"warehouse": stalled}, now_ms=NOW_MS, clock=_behind)
     assert seen.count(table) >= nth, seen
-    assert _outputs(stalled) == _outputs(clean)
+    assert _outputs(stalled) == one_run
     # run 1 once, whoever wrote its intent; the other run's own run after it, if any
     assert _statuses(stalled)[:2] == [(1, "COMMITTED"), (1, "STARTED")]
     assert (1, "COMMITTED") not in _statuses(stalled)[2:]
