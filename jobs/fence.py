@@ -6,8 +6,8 @@ it is a promise in wall-clock time. A run whose host stalls past the lease's
 expiry (a laptop asleep under a notebook, a frozen VM or container, SIGSTOP),
 or whose clock is behind the other hosts', goes on working while another run
 takes the lease over and redoes its intent. Checking the lease before a write
-leaves the moment between the check and the commit, and delta-rs rebases an
-append over the commits it finds there: the stalled run then delivered its
+leaves the moment between the check and the commit, and delta-rs would rebase
+an append over the commits it finds there: the stalled run would deliver its
 messages a second time.
 
 So every commit a run makes to the job's tables is made
