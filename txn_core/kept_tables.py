@@ -30,9 +30,9 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from txn_core.delta_log import local_path, open_table
+from txn_core.delta_log import entry_name, local_path, open_table
 from txn_core.storage import StorageError, is_s3, registered
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ def _entry_identity(table: DeltaTable) -> Identity | None:
         root = local_path(table.table_uri)
         if root is None:
             return None
-        st = os.stat(os.path.join(root, "_delta_log", f"{version:020d}.json"))
+        st = os.stat(os.path.join(root, "_delta_log", entry_name(version)))
     except OSError:
         return None
     return st.st_ino, st.st_mtime_ns
@@ -146,19 +146,14 @@ def _s3_entry_identity(table: DeltaTable, version: int) -> Identity | None:
     client of the table's registered warehouse; None when the table was
     opened with other options (another endpoint, region or addressing) or
     the entry cannot be seen."""
-    storage = registered(table.table_uri)
-    if storage is None or storage.delta_rs_options() != table._storage_options:
+    log = _s3_log(table.table_uri, table._storage_options)
+    if log is None:
         return None
-    bucket, _, key = table.table_uri.split("://", 1)[1].partition("/")
-    entry = f"{key.strip('/')}/_delta_log/{version:020d}.json"
-    try:
-        from botocore.exceptions import BotoCoreError, ClientError
+    client, bucket, prefix = log
+    from botocore.exceptions import BotoCoreError, ClientError
 
-        client = storage.s3_client()
-    except (ImportError, StorageError):  # no boto3: the table is opened at each use
-        return None
     try:
-        head = client.head_object(Bucket=bucket, Key=entry)
+        head = client.head_object(Bucket=bucket, Key=prefix + entry_name(version))
     except (BotoCoreError, ClientError):
         return None
     return head.get("ETag"), head.get("LastModified")
@@ -185,42 +180,53 @@ def log_entry(
         return None
     log = os.path.join(root, "_delta_log")
     try:
-        st = os.stat(os.path.join(log, f"{version:020d}.json"))
+        st = os.stat(os.path.join(log, entry_name(version)))
         identity: object | None = (st.st_ino, st.st_mtime_ns)
     except FileNotFoundError:
         identity = None
     # versions are committed one after another: a later one exists iff the next does
-    return identity, os.path.exists(os.path.join(log, f"{version + 1:020d}.json"))
+    return identity, os.path.exists(os.path.join(log, entry_name(version + 1)))
 
 
 def _s3_log_entry(
     uri: str, version: int, storage_options: dict[str, str] | None
 ) -> tuple[object | None, bool] | None:
-    storage = registered(uri)
-    if storage is None or storage.delta_rs_options() != storage_options:
+    log = _s3_log(uri, storage_options)
+    if log is None:
         return None
-    bucket, _, key = uri.split("://", 1)[1].partition("/")
-    log = f"{key.strip('/')}/_delta_log/"
-    entry = f"{version:020d}.json"
-    try:
-        from botocore.exceptions import BotoCoreError, ClientError
+    client, bucket, prefix = log
+    entry = entry_name(version)
+    from botocore.exceptions import BotoCoreError, ClientError
 
-        client = storage.s3_client()
-    except (ImportError, StorageError):
-        return None
     try:
         # keys sort as versions do, a version's checkpoint before its entry,
         # and `_last_checkpoint` after every version: the entry, then what follows
         listed = client.list_objects_v2(
-            Bucket=bucket, Prefix=log, StartAfter=log + entry[:-1], MaxKeys=2
+            Bucket=bucket, Prefix=prefix, StartAfter=prefix + entry[:-1], MaxKeys=2
         )
     except (BotoCoreError, ClientError):
         return None
-    names = [obj["Key"][len(log) :] for obj in listed.get("Contents", [])]
+    names = [obj["Key"][len(prefix) :] for obj in listed.get("Contents", [])]
     etags = [obj.get("ETag") for obj in listed.get("Contents", [])]
     identity = etags[0] if names[:1] == [entry] else None
     later = names[1:] if identity is not None else names
     return identity, any(name[:20].isdigit() and int(name[:20]) > version for name in later)
+
+
+def _s3_log(uri: str, storage_options: dict[str, str] | None) -> tuple[Any, str, str] | None:
+    """(the S3 client of the table's registered warehouse, the bucket, the key
+    prefix of its `_delta_log/`); None when the table is opened with other
+    options than the warehouse's (another endpoint, region or addressing),
+    or there is no client (no boto3: the table is opened at each use)."""
+    storage = registered(uri)
+    if storage is None or storage.delta_rs_options() != storage_options:
+        return None
+    try:
+        client = storage.s3_client()
+    except (ImportError, StorageError):
+        return None
+    bucket, _, key = uri.split("://", 1)[1].partition("/")
+    return client, bucket, f"{key.strip('/')}/_delta_log/"
 
 
 def _updated(table: DeltaTable) -> bool:
