@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import threading
 import uuid
 
 from pyspark.sql import DataFrame
@@ -34,7 +36,7 @@ from txn_core.storage import is_s3, object_key, options_for, registered
 
 #: where Spark writes a commit's files before they move into the table; a
 #: crash can leave one behind (hidden from Delta by its leading `_`), and
-#: the next write to the table removes it (one writer at a time: the lease)
+#: a later write to the table removes it (`_leftover`)
 STAGING_PREFIX = "_txn_staging-"
 #: on S3, the directory inside the table where Spark writes a commit's files,
 #: and where they stay: a move there is a copy. Not hidden, so that VACUUM
@@ -87,12 +89,13 @@ def table_schema(table) -> StructType:
     return StructType.fromJson(json.loads(table.schema().to_json()))
 
 
-def stage(df: DataFrame, table) -> list:
+def stage(df: DataFrame, table, generation: int | None = None) -> list:
     """Write `df`'s rows (its columns those of `table`: `committable`) as
     files into the table's directory, uncommitted (invisible to readers);
     their `add` actions, for `commit`. A null in a NOT NULL column fails the
     Spark job, naming the column, and nothing is staged (as Delta's writer
-    does)."""
+    does). `generation`: the writing run's lease's (`Lease.generation`),
+    which says whose leftovers a write may remove (`_leftover`)."""
     root = local_path(table.table_uri)
     if root is None:
         return _stage_on_s3(df, table)
@@ -101,16 +104,18 @@ def stage(df: DataFrame, table) -> list:
         _writer(select_expr(df, _not_null_checked(df, table_schema(table), root))).parquet(staging)
         return {0: staging}
 
-    return _staged({0: table}, write, 0)[0]
+    return _staged({0: table}, write, 0, generation)[0]
 
 
-def stage_split(df: DataFrame, column: str, tables: dict, home=None) -> dict[str, list]:
+def stage_split(
+    df: DataFrame, column: str, tables: dict, home=None, generation: int | None = None
+) -> dict[str, list]:
     """`stage` for several tables in one Spark job: each row of `df` goes to
     the table `tables` names for its `column` value (each table `committable`
     for `df` without `column`; rows of other values are not written). The
     `add` actions by value. `home`: the value whose table Spark writes in
     (on S3 the other tables' files are copied from it: the one with most
-    rows), the first by default.
+    rows), the first by default. `generation`: as for `stage`.
 
     Why: one job reads `df` once, where one write per table reads all of it
     each time to keep its own rows.
@@ -122,7 +127,7 @@ def stage_split(df: DataFrame, column: str, tables: dict, home=None) -> dict[str
     def write(staging: str) -> dict:
         return _write_split(df, column, tables, staging)
 
-    return _staged(tables, write, home)
+    return _staged(tables, write, home, generation)
 
 
 def _write_split(df: DataFrame, column: str, tables: dict, staging: str) -> dict:
@@ -140,22 +145,30 @@ def _write_split(df: DataFrame, column: str, tables: dict, staging: str) -> dict
     return {v: f"{staging}/{_SPLIT_COLUMN}={i}" for i, v in enumerate(values)}
 
 
-def _staged(tables: dict, write, home) -> dict:
-    """Clear what an earlier crash left staged in the tables, let `write(staging)`
-    write the files in a new staging directory (inside `home`'s table, so
-    that the files move by a rename) and say where each table's files are,
-    move them into their tables; the `add` actions by table."""
+def _staged(tables: dict, write, home, generation: int | None) -> dict:
+    """Clear what earlier writes left staged in the tables (`_leftover`), let
+    `write(staging)` write the files in a new staging directory (inside
+    `home`'s table, so that the files move by a rename) and say where each
+    table's files are, move them into their tables; the `add` actions by
+    table."""
     roots = {key: local_path(table.table_uri) for key, table in tables.items()}
     for root in roots.values():
-        _remove_staging(root)
-    staging = _new_staging(roots[home])
-    written = write(staging)
-    staged = {}
-    for key, table in tables.items():
-        # no directory: no row for that table
-        added = _moved_into_table(written[key], roots[key]) if os.path.isdir(written[key]) else []
-        staged[key] = _add_actions(table, roots[key], added)
-    shutil.rmtree(staging)
+        _remove_leftovers(root, generation)
+    staging = os.path.join(roots[home], staging_name(generation))
+    with _in_flight_lock:
+        _in_flight.add(staging)
+    try:
+        written = write(staging)
+        staged = {}
+        for key, table in tables.items():
+            # no directory: no row for that table
+            there = os.path.isdir(written[key])
+            added = _moved_into_table(written[key], roots[key]) if there else []
+            staged[key] = _add_actions(table, roots[key], added)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        with _in_flight_lock:
+            _in_flight.discard(staging)
     return staged
 
 
@@ -353,8 +366,33 @@ def _writer(df: DataFrame):
     return writer
 
 
-def _new_staging(root: str) -> str:
-    return os.path.join(root, STAGING_PREFIX + uuid.uuid4().hex)
+#: the staging directories this process is writing in: never another's leftovers
+_in_flight: set[str] = set()
+_in_flight_lock = threading.Lock()
+_GENERATION = re.compile(re.escape(STAGING_PREFIX) + r"g(\d+)-")
+
+
+def staging_name(generation: int | None) -> str:
+    """A new staging directory's name, carrying the lease generation of the
+    run that writes in it."""
+    owner = "" if generation is None else f"g{generation}-"
+    return f"{STAGING_PREFIX}{owner}{uuid.uuid4().hex}"
+
+
+def _leftover(name: str, generation: int | None) -> bool:
+    """Whether the staging directory `name`, not one this process is writing
+    in, is what an earlier write left behind, for a run of lease `generation`
+    to remove: one of an earlier or of its own generation (a crash, a run
+    that lost the lease). Not one of a later generation: that is the run that
+    took the lease from this one over, writing now; removing its files would
+    fail its run (the fence already keeps this one from committing).
+    Without a generation (no lease: tests, tools) every one is a leftover."""
+    if not name.startswith(STAGING_PREFIX):
+        return False
+    if generation is None:
+        return True
+    found = _GENERATION.match(name)
+    return found is None or int(found.group(1)) <= generation
 
 
 def _strictest_schema(schemas: list[StructType]) -> StructType:
@@ -382,10 +420,13 @@ def _not_null_checked(df: DataFrame, schema: StructType, where: str) -> list[str
     return columns
 
 
-def _remove_staging(root: str) -> None:
+def _remove_leftovers(root: str, generation: int | None) -> None:
+    with _in_flight_lock:
+        in_flight = set(_in_flight)
     for name in os.listdir(root):
-        if name.startswith(STAGING_PREFIX):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        path = os.path.join(root, name)
+        if path not in in_flight and _leftover(name, generation):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _moved_into_table(written: str, root: str) -> list[str]:

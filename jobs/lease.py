@@ -85,6 +85,10 @@ class Lease:
         #: tells its log entry from another file: `kept_tables.log_entry`): while
         #: that entry is the newest, nothing was committed since (no row to read)
         self._own: tuple[int, object] | None = None
+        #: the lease table's version this holder's acquire committed: a later
+        #: holder's is higher (versions only grow), so the job's writes can
+        #: tell a newer run's staged files from leftovers (`jobs.commits`)
+        self.generation: int | None = None
 
     def _now_ms(self) -> int:
         return int(self.clock() * 1000)
@@ -148,6 +152,7 @@ class Lease:
                 )
             try:
                 self._write(table, "ACQUIRE", self._now_ms() + self.ttl_ms)
+                self.generation = table.version()
             except (CommitFailedError, DeltaError) as exc:
                 raise LeaseHeld(
                     f"another run took the job's lease first ({exc}); retry later"

@@ -71,7 +71,7 @@ def write_for_run(
         return True
     table = commits.committable(path, df)
     if table is not None:
-        adds = commits.stage(df, table)
+        adds = commits.stage(df, table, lease.generation if lease else None)
         fence.commit(table, lease, lambda: commits.commit(table, adds, mode, tag))
         return True
     if lease is not None:
@@ -111,13 +111,13 @@ def split_tables(df: DataFrame, column: str, paths: dict[str, str]) -> dict | No
 
 
 def split_commits(
-    df: DataFrame, column: str, tables: dict, home=None
+    df: DataFrame, column: str, tables: dict, home=None, lease: Lease | None = None
 ) -> dict[str, Callable[[str], int]]:
     """Stage the rows of `df` for `tables` (`split_tables`), each row to the
     table of its `column` value, in one Spark job (`commits.stage_split`,
-    written in `home`'s table); each table's append as a function of its
-    commit's userMetadata (`run_tag`)."""
-    staged = commits.stage_split(df, column, tables, home)
+    written in `home`'s table, by the run holding `lease`); each table's
+    append as a function of its commit's userMetadata (`run_tag`)."""
+    staged = commits.stage_split(df, column, tables, home, lease.generation if lease else None)
     return {
         value: functools.partial(commits.commit, tables[value], staged[value], "append")
         for value in tables

@@ -139,7 +139,7 @@ def _put_deliveries(
         return
     lease.keep_alive()  # never write once another run may have taken over
     home = max(sorted(todo), key=lambda topic: rows[topic])
-    append = tagged_writes.split_commits(delivered, "topic", todo, home)
+    append = tagged_writes.split_commits(delivered, "topic", todo, home, lease)
 
     def commit(topic: str) -> None:
         lease.keep_alive()

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 
 import pytest
 from deltalake import DeltaTable
 
 from jobs import commits, job_tables, tagged_writes
-from jobs.lease import Lease
+from jobs.lease import Lease, LeaseLost
 from schemas import QUEUES, TOPIC
 from schemas.spark import spark_schema
 
@@ -109,6 +110,43 @@ def test_a_null_in_a_not_null_column_fails_and_commits_nothing(spark, warehouse)
     assert DeltaTable(path).version() == before
     # the next write clears what the failed one left
     tagged_writes.write_for_run(_topic_rows(spark, [2]), path, 2, "topics/ORDER")
+    assert not [n for n in os.listdir(path) if n.startswith(commits.STAGING_PREFIX)]
+    assert [r.queue_offset for r in spark.read.format("delta").load(path).collect()] == [2]
+
+
+def _staging_dir(table: str, name: str) -> str:
+    """A staging directory with a file in it, as another process writing would have it."""
+    path = os.path.join(table, name)
+    os.makedirs(path)
+    with open(os.path.join(path, "part-00000.parquet"), "wb") as f:
+        f.write(b"being written")
+    return path
+
+
+def test_a_stale_runs_write_leaves_the_files_of_the_run_that_took_over(spark, warehouse):
+    """A run that stalled past its lease and wakes to write must not remove the
+    staging directory of the run that took the lease over (it would fail that
+    run): a write removes only leftovers of its own lease's generation or an
+    earlier one. The stale write then commits nothing (the fence)."""
+    path = _topic_table(spark, warehouse)
+    clock = [1_000.0]
+    stale = Lease(warehouse, 60, clock=lambda: clock[0]).acquire()
+    clock[0] += 61
+    live = Lease(warehouse, 60, clock=lambda: clock[0]).acquire()
+    assert live.generation > stale.generation
+    in_flight = _staging_dir(path, commits.staging_name(live.generation))
+    crashed = _staging_dir(path, commits.staging_name(stale.generation))
+    older_release = _staging_dir(path, commits.STAGING_PREFIX + uuid.uuid4().hex)
+    before = DeltaTable(path).version()
+
+    with pytest.raises(LeaseLost):
+        tagged_writes.write_for_run(_topic_rows(spark, [1]), path, 1, "topics/ORDER", lease=stale)
+    assert DeltaTable(path).version() == before
+    assert os.listdir(in_flight) == ["part-00000.parquet"]
+    assert not os.path.exists(crashed) and not os.path.exists(older_release)
+
+    # the live run's own next write clears what its generation left (a crash)
+    assert tagged_writes.write_for_run(_topic_rows(spark, [2]), path, 1, "topics/ORDER", lease=live)
     assert not [n for n in os.listdir(path) if n.startswith(commits.STAGING_PREFIX)]
     assert [r.queue_offset for r in spark.read.format("delta").load(path).collect()] == [2]
 
