@@ -56,9 +56,11 @@ POSITIONS_ONE_TASK_MAX_ROWS = 250_000
 
 
 #: up to this many new OPs (their log entries' statistics) are ranked by one
-#: task (`T.classify_ops`): a small run's shuffle of them is a Spark job, and
-#: its tasks' set-up costs more than ranking a few thousand rows
-CLASSIFY_ONE_TASK_MAX_ROWS = 20_000
+#: task (`T.classify_ops`), as many as one task places (a sort of narrow
+#: rows): their shuffle is a Spark job of its own, whose set-up costs more
+#: than ranking a few thousand rows, and whose plan costs the driver and the
+#: JIT more than one task's sort of a few hundred thousand
+CLASSIFY_ONE_TASK_MAX_ROWS = POSITIONS_ONE_TASK_MAX_ROWS
 
 
 #: when at most this many live messages (pending before, new half rows)

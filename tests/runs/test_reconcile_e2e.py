@@ -27,7 +27,13 @@ def rows(path: str, *, sort: str = "half_offset") -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "history", ["read near the OPs", "looked up by key", "read near, a big run's passes"]
+    "history",
+    [
+        "read near the OPs",
+        "looked up by key",
+        "read near, a big run's passes",
+        "read near, a big run's passes, its OPs ranked by one task",
+    ],
 )
 def test_runs_resolve_deliver_check_and_discard_across_runs(spark, warehouse, monkeypatch, history):
     """OPs for messages no longer pending (late, an operator's) are judged
@@ -39,13 +45,12 @@ def test_runs_resolve_deliver_check_and_discard_across_runs(spark, warehouse, mo
         monkeypatch.setattr(pipeline, "HISTORY_NEAR_MAX_ROWS", -1)
     else:
         monkeypatch.setattr(pipeline, "_with_history", lambda *a: pytest.fail("a second pass"))
-    if history == "read near, a big run's passes":
+    if history.startswith("read near, a big run's passes"):
         monkeypatch.setattr("jobs.interpreted.INTERPRETED_MAX_ROWS", -1)  # not small
-        for threshold in (
-            "CLASSIFY_ONE_TASK_MAX_ROWS",
-            "POSITIONS_ONE_TASK_MAX_ROWS",
-            "UNDELIVERED_ONE_PASS_MAX_ROWS",
-        ):
+        thresholds = ["POSITIONS_ONE_TASK_MAX_ROWS", "UNDELIVERED_ONE_PASS_MAX_ROWS"]
+        if not history.endswith("by one task"):  # else ranked by one task, joined as a big run's
+            thresholds.append("CLASSIFY_ONE_TASK_MAX_ROWS")
+        for threshold in thresholds:
             monkeypatch.setattr(pipeline, threshold, -1)
     cfg = {"warehouse": warehouse, "check_max": 1, "reserved_hours": 1}
     h1, h2, h5 = (fx.half(store_ms=T0 - 1000) for _ in range(3))
