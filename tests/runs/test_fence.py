@@ -5,6 +5,7 @@ completes its intent, commits nothing more, whatever the clocks say."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from jobs import fence, tagged_writes
 from jobs.lease import Lease, LeaseLost
 from jobs.reconcile import reconcile
 from jobs.verify import verify
-from schemas import RUNS, table_path, topic_path
+from schemas import LEASE, RUNS, table_path, topic_path
 from txn_core import kept_tables
 from txn_core.config import load_config
 from txn_core.storage import Storage, options_for, use
@@ -70,6 +71,33 @@ def test_verify_reads_the_store_where_keep_alive_trusts_the_holders_clock(wareho
         mine.verify()
     with pytest.raises(LeaseLost):
         mine.keep_alive()  # and every later write stops
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_a_lease_table_deleted_and_made_again_is_not_the_holders(warehouse, s3, store):
+    """An operator deletes `_sys/lease` while a run holds it; another run
+    makes it again and takes the lease, its log reaching the holder's own
+    version: the holder's look at its entry finds another file there, and
+    its check reads the other run's row."""
+    if store == "s3":
+        warehouse = _s3_warehouse(s3)
+    mine = Lease(warehouse, TTL_S, clock=_behind).acquire()
+    own_version = mine._own[0]
+    lease_path = table_path(warehouse, LEASE)
+    if store == "s3":
+        storage = Storage.from_config(load_config(env={}, **s3.config()))
+        client, prefix = storage.s3_client(), lease_path.split(f"{storage.bucket}/", 1)[1]
+        listed = client.list_objects_v2(Bucket=storage.bucket, Prefix=prefix + "/")
+        for obj in listed.get("Contents", []):
+            client.delete_object(Bucket=storage.bucket, Key=obj["Key"])
+    else:
+        shutil.rmtree(lease_path)
+    other = Lease(warehouse, TTL_S).acquire()
+    while DeltaTable(lease_path, storage_options=options_for(lease_path)).version() < own_version:
+        other.release()
+        other = Lease(warehouse, TTL_S).acquire()
+    with pytest.raises(LeaseLost, match="taken over"):
+        mine.verify()
 
 
 @pytest.mark.parametrize("store", ["local", "s3"])
