@@ -143,6 +143,21 @@ class Counters:
             f"THEN {T.due_at_sql(rules, T.last_check_after_sql(rules))} END)",
         )
 
+    def due(self, due_keys: DataFrame) -> DataFrame:
+        """`due_keys` (the scheduled rows this run's clock makes due, with
+        `_cancelled` on those cancelled before, if any), counted: the rows
+        (`_due_rows`), those not cancelled (`_due`: delivered now) and of
+        those the transactional ones (`_due_resolved`: resolved when their
+        COMMIT won)."""
+        kept = "_cancelled IS NULL" if "_cancelled" in due_keys.columns else "true"
+        return self._observe(
+            "due",
+            due_keys,
+            _due_rows=_ROWS,
+            _due=_where(kept),
+            _due_resolved=_where(f"{kept} AND resolved_before"),
+        )
+
     def bodies(self, rows: DataFrame) -> DataFrame:
         """`rows` (messages with their bodies), with the bytes of their bodies
         counted (`_body_bytes`): what collecting them would hold."""

@@ -189,8 +189,8 @@ def compute(
         if prior is not None:  # cancelled before: leave the set now, undelivered
             dropped = T.select(cancels.prior_cancels_due(prior, rules), "*", "true AS _cancelled")
             due_keys = due_keys.join(F.broadcast(dropped), "half_offset", "left")
-        due_keys = held.checkpoint(due_keys)
-    n_due_rows, n_due, n_due_resolved = _due_counts(due_keys)
+        due_keys = held.checkpoint(counted.due(due_keys))
+    n_due_rows, n_due, n_due_resolved = _due_counts(counted, due_keys)
     if due_keys is not None and "_cancelled" in due_keys.columns:
         due_keys = due_keys.where("_cancelled IS NULL").drop("_cancelled")
     later["delivered_scheduled"] = n_due
@@ -390,19 +390,14 @@ def _bodies_at_most(observed: dict, beyond_the_counted: bool) -> int | None:
     return int(observed["_half_body_bytes"] + observed["_pending_body_bytes"])
 
 
-def _due_counts(due_keys) -> tuple[int, int, int]:
+def _due_counts(counted: Counters, due_keys) -> tuple[int, int, int]:
     """(scheduled rows due in this run, of which delivered: not cancelled,
-    and of those the transactional ones: resolved when their COMMIT won), in
-    one Spark job; zeros without any."""
+    and of those the transactional ones: resolved when their COMMIT won),
+    counted as `due_keys` were kept (`Counters.due`); zeros without any."""
     if due_keys is None:
         return 0, 0, 0
-    kept = "_cancelled IS NULL" if "_cancelled" in due_keys.columns else "true"
-    row = due_keys.selectExpr(
-        "count(1)",
-        f"coalesce(sum(CAST({kept} AS INT)), 0)",
-        f"coalesce(sum(CAST({kept} AND resolved_before AS INT)), 0)",
-    ).first()
-    return int(row[0]), int(row[1]), int(row[2])
+    seen = counted.values()
+    return seen["_due_rows"], seen["_due"], seen["_due_resolved"]
 
 
 def _rejected(spark, rejected_halves, classified, judged, rules: T.Rules):

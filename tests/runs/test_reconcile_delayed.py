@@ -120,6 +120,23 @@ def test_delayed_messages_wait_for_their_time_and_come_in_due_order(spark, wareh
     assert verify(spark, cfg).differences_by_kind == {"delivered_early": 1}
 
 
+def test_a_busy_run_with_nothing_due_delivers_the_new_and_keeps_every_timer(spark, warehouse):
+    """A run whose clock makes none of the scheduled set due still reads its
+    due range, empty, and counts it as it keeps it (`Counters.due`)."""
+    cfg = {"warehouse": warehouse}
+    clock = Clock(T0)
+    with Broker.open(Config(warehouse=warehouse), clock=clock) as broker:
+        producer = Producer(broker, "order_group")
+        producer.send(Message(topic="ORDER", body=b"later", delay_ms=60_000))
+        assert reconcile(spark, cfg, now_ms=T0).scheduled == 1
+        clock.now = T0 + 500
+        producer.send(Message(topic="ORDER", body=b"now"))
+        busy = reconcile(spark, cfg, now_ms=T0 + 500)
+    assert (busy.idle, busy.committed, busy.delivered_scheduled) == (False, 1, 0)
+    assert (busy.scheduled_after, busy.next_due_ms) == (1, T0 + 60_000)
+    assert [b for b, _, _ in _queue(warehouse)] == [b"now"]
+
+
 def _two_runs(spark, warehouse: str, crash: dict[int, str], monkeypatch) -> None:
     """Run 1 schedules two timers, run 2 delivers one; `crash`: run number ->
     the step at which that run dies (then recovered, as the next invocation would)."""
