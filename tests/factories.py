@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -18,7 +19,7 @@ from schemas import CHECK_ANSWERS, HALF, OP, TOPIC, table_path, topic_path
 from schemas.arrow import arrow_schema
 from txn_core.message import LocalTransactionState
 from txn_core.producer import TransactionListener
-from txn_core.storage import options_for
+from txn_core.storage import is_s3, object_key, options_for, registered
 from txn_core.tables import ensure_broker_tables
 
 _offsets = itertools.count(1)
@@ -301,3 +302,18 @@ def logged_versions(path: str) -> list[int]:
     """The versions whose commits a local table's log still holds."""
     names = os.listdir(os.path.join(path, "_delta_log"))
     return sorted(int(n.split(".")[0]) for n in names if n.endswith(".json") and n[0].isdigit())
+
+
+def delete_table(uri: str) -> None:
+    """Every file of the table at `uri`: a local directory, or the objects
+    under its prefix in a registered S3 warehouse (as an operator deleting
+    it would leave nothing)."""
+    if not is_s3(uri):
+        shutil.rmtree(uri)
+        return
+    storage = registered(uri)
+    assert storage is not None, f"{uri} is in no registered warehouse"
+    client = storage.s3_client()
+    listed = client.list_objects_v2(Bucket=storage.bucket, Prefix=object_key(uri) + "/")
+    for item in listed.get("Contents", []):
+        client.delete_object(Bucket=storage.bucket, Key=item["Key"])

@@ -9,6 +9,8 @@ from deltalake import DeltaTable, write_deltalake
 
 from txn_core import kept_tables
 
+import factories as fx
+
 
 def _rows(*values: int) -> pa.Table:
     return pa.table({"n": pa.array(values, pa.int64())})
@@ -82,28 +84,20 @@ def test_a_table_on_a_local_disk_given_back_is_the_one_taken(tmp_path):
 # --- on S3 (MinIO on loopback) ---------------------------------------------------------
 
 
-def _s3_table_path(s3) -> tuple[str, dict[str, str], object]:
+def _s3_table_path(s3) -> tuple[str, dict[str, str]]:
     """A table's URI in a fresh warehouse registered on the S3 server, its
-    delta-rs options, and the warehouse's storage."""
+    delta-rs options."""
     from txn_core.config import load_config
     from txn_core.storage import Storage, use
 
     storage = use(Storage.from_config(load_config(env={}, **s3.config())))
     options = storage.delta_rs_options()
     assert options is not None
-    return storage.warehouse + "/t", options, storage
-
-
-def _delete_table(storage, uri: str) -> None:
-    client = storage.s3_client()
-    bucket, _, prefix = uri.split("://", 1)[1].partition("/")
-    listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/")
-    for item in listed.get("Contents", []):
-        client.delete_object(Bucket=bucket, Key=item["Key"])
+    return storage.warehouse + "/t", options
 
 
 def test_on_s3_a_table_given_back_is_taken_again_with_the_commits_made_since(s3):
-    uri, options, _ = _s3_table_path(s3)
+    uri, options = _s3_table_path(s3)
     write_deltalake(uri, _rows(1), storage_options=options)
     first = kept_tables.take(uri, options)
     kept_tables.give_back(first)
@@ -116,12 +110,12 @@ def test_on_s3_a_table_given_back_is_taken_again_with_the_commits_made_since(s3)
 
 
 def test_on_s3_a_table_made_again_at_its_path_is_opened_afresh(s3):
-    uri, options, storage = _s3_table_path(s3)
+    uri, options = _s3_table_path(s3)
     write_deltalake(uri, _rows(1), storage_options=options)
     write_deltalake(uri, _rows(2), mode="append", storage_options=options)
     kept = kept_tables.take(uri, options)
     kept_tables.give_back(kept)
-    _delete_table(storage, uri)
+    fx.delete_table(uri)
     write_deltalake(uri, _rows(7), storage_options=options)
     write_deltalake(uri, _rows(8), mode="append", storage_options=options)  # the same versions
 
@@ -132,7 +126,7 @@ def test_on_s3_a_table_made_again_at_its_path_is_opened_afresh(s3):
 
 
 def test_on_s3_a_table_opened_with_other_options_than_its_warehouses_is_not_kept(s3):
-    uri, options, _ = _s3_table_path(s3)
+    uri, options = _s3_table_path(s3)
     write_deltalake(uri, _rows(1), storage_options=options)
     other = DeltaTable(uri, storage_options={**options, "AWS_REQUEST_PAYER": "false"})
     kept_tables.give_back(other)
@@ -146,7 +140,7 @@ def test_on_s3_a_table_opened_with_other_options_than_its_warehouses_is_not_kept
 
 
 def test_on_s3_a_table_given_back_unchanged_needs_no_second_request(s3):
-    uri, options, _ = _s3_table_path(s3)
+    uri, options = _s3_table_path(s3)
     write_deltalake(uri, _rows(1), storage_options=options)
     kept_tables.give_back(kept_tables.take(uri, options))
 

@@ -5,7 +5,6 @@ completes its intent, commits nothing more, whatever the clocks say."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -84,14 +83,7 @@ def test_a_lease_table_deleted_and_made_again_is_not_the_holders(warehouse, s3, 
     mine = Lease(warehouse, TTL_S, clock=_behind).acquire()
     own_version = mine._own[0]
     lease_path = table_path(warehouse, LEASE)
-    if store == "s3":
-        storage = Storage.from_config(load_config(env={}, **s3.config()))
-        client, prefix = storage.s3_client(), lease_path.split(f"{storage.bucket}/", 1)[1]
-        listed = client.list_objects_v2(Bucket=storage.bucket, Prefix=prefix + "/")
-        for obj in listed.get("Contents", []):
-            client.delete_object(Bucket=storage.bucket, Key=obj["Key"])
-    else:
-        shutil.rmtree(lease_path)
+    fx.delete_table(lease_path)
     other = Lease(warehouse, TTL_S).acquire()
     while DeltaTable(lease_path, storage_options=options_for(lease_path)).version() < own_version:
         other.release()
