@@ -25,13 +25,18 @@ local disk's.
 Runs 1-3 share one SparkSession, warmed up first by a run over 1,000 messages
 and then by the run that resolves the history (before run 1: a cold JVM
 compiles Spark's hot code during its first big run, which would otherwise be
-charged to run 1 alone).
+charged to run 1 alone). --warm-runs N adds N runs over --warm-batch new
+messages, each on a fresh copy of one warehouse, before the history: the
+session as a continuous job's is after minutes of runs, its planner's code
+compiled by the JIT (the default, 0, measures a session's first big runs,
+while the JIT is still compiling it).
 Producer rows are written with delta-rs in big batches (no broker core;
 --rows-per-commit, 250,000 by default: a run's new rows in one file per
 table), with the mix: 85 % commit, 10 % roll back, 5 % stay pending.
 
     python scripts/bench_reconcile.py --batch 200000
     python scripts/bench_reconcile.py --batch 200000 --s3-loopback
+    python scripts/bench_reconcile.py --batch 200000 --warm-runs 20 --warm-batch 200000
 """
 
 from __future__ import annotations
@@ -245,6 +250,16 @@ def measure(spark, store: Store, args) -> dict:
     warm = store.warehouse("warm-up")
     write(cfg(warm).warehouse, 0, 1_000, args.body_bytes, NOW, leave_pending=True)
     reconcile(spark, cfg(warm), now_ms=NOW + 1000)
+    if args.warm_runs:
+        # a session as a continuous job's is after its first minutes: Spark's
+        # planner, run a few times a run, is compiled by the JIT over dozens of runs
+        steady = cfg(store.warehouse("steady")).warehouse
+        write(steady, 0, args.warm_batch, args.body_bytes, NOW, leave_pending=True)
+        for _ in range(args.warm_runs):
+            copy = f"{steady}-copy-{uuid.uuid4().hex[:8]}"
+            store.copy(steady, copy)
+            reconcile(spark, cfg(copy), now_ms=NOW + 1000)
+            store.remove(copy)
 
     # The history's own run comes first: a run over that many rows is also
     # what brings the JVM's compiled code up to speed (a small warm-up does
@@ -406,6 +421,18 @@ def main(argv=None) -> None:
         type=int,
         default=5,
         help="measured repetitions of each run and of the lower bound (their medians are compared)",
+    )
+    p.add_argument(
+        "--warm-runs",
+        type=int,
+        default=0,
+        help="runs over --warm-batch new messages before anything is measured (a warm JIT)",
+    )
+    p.add_argument(
+        "--warm-batch",
+        type=int,
+        default=25_000,
+        help="new messages in each of the --warm-runs runs",
     )
     add_arguments(p)
     args = p.parse_args(argv)
