@@ -245,29 +245,6 @@ def measure(spark, store: Store, args) -> dict:
     cpu = CpuAccount(spark)  # the measured runs' and lower bounds' CPU by kind
     write = partial(fill, rows_per_commit=args.rows_per_commit)
 
-    # Warm the JVM up first (class loading, code generation), so that the
-    # first measured run is not charged for it and the ratios compare runs.
-    warm = store.warehouse("warm-up")
-    write(cfg(warm).warehouse, 0, 1_000, args.body_bytes, NOW, leave_pending=True)
-    reconcile(spark, cfg(warm), now_ms=NOW + 1000)
-    if args.warm_runs:
-        # a session as a continuous job's is after its first minutes: Spark's
-        # planner, run a few times a run, is compiled by the JIT over dozens of runs
-        steady = cfg(store.warehouse("steady")).warehouse
-        write(steady, 0, args.warm_batch, args.body_bytes, NOW, leave_pending=True)
-        for _ in range(args.warm_runs):
-            copy = f"{steady}-copy-{uuid.uuid4().hex[:8]}"
-            store.copy(steady, copy)
-            reconcile(spark, cfg(copy), now_ms=NOW + 1000)
-            store.remove(copy)
-
-    # The history's own run comes first: a run over that many rows is also
-    # what brings the JVM's compiled code up to speed (a small warm-up does
-    # not make the hot paths hot), so both measured runs below find it warm.
-    hist = cfg(store.warehouse("history")).warehouse
-    write(hist, 0, h, args.body_bytes, NOW - 10_000, leave_pending=False)
-    t_build, _ = timed(lambda: reconcile(spark, cfg(hist), now_ms=NOW))
-
     def run(warehouse: str, copy: bool = True, cpu_of: str | None = None) -> tuple[float, object]:
         """(seconds, summary) of the run over `warehouse`, or over a copy of
         it, left as it was for the next repetition (the same inputs, the
@@ -286,6 +263,24 @@ def measure(spark, store: Store, args) -> dict:
         if copy:
             store.remove(target)
         return took, summary
+
+    # Warm the JVM up first (class loading, code generation), so that the
+    # first measured run is not charged for it and the ratios compare runs.
+    warm = store.warehouse("warm-up")
+    write(cfg(warm).warehouse, 0, 1_000, args.body_bytes, NOW, leave_pending=True)
+    reconcile(spark, cfg(warm), now_ms=NOW + 1000)
+    if args.warm_runs:  # the JIT compiles Spark's planner over dozens of runs
+        steady = cfg(store.warehouse("steady")).warehouse
+        write(steady, 0, args.warm_batch, args.body_bytes, NOW, leave_pending=True)
+        for _ in range(args.warm_runs):
+            run(steady)
+
+    # The history's own run comes first: a run over that many rows is also
+    # what brings the JVM's compiled code up to speed (a small warm-up does
+    # not make the hot paths hot), so both measured runs below find it warm.
+    hist = cfg(store.warehouse("history")).warehouse
+    write(hist, 0, h, args.body_bytes, NOW - 10_000, leave_pending=False)
+    t_build, _ = timed(lambda: reconcile(spark, cfg(hist), now_ms=NOW))
 
     # Each run once unmeasured (its "first time": it also pays for what
     # Spark compiles or sizes for the first time in the session), then
