@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -100,6 +101,7 @@ def main(argv=None) -> None:
     finally:
         continuous.reconcile = timed_run
         spark.stop()
+        shutil.rmtree(warehouse, ignore_errors=True)
     for number, read, idle, wall in runs:
         kind = "idle" if idle else f"{read:,} new half rows"
         print(f"run {number:3d}: {wall * 1000:7.0f} ms  {kind}")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,7 +166,15 @@ def _job_command(warehouse: str, *extra: str) -> list[str]:
 
 
 def measure(rate: float, args, cron: bool = False) -> dict:
+    """The figures of one rate, in a warehouse of its own, deleted after."""
     warehouse = tempfile.mkdtemp(prefix="bench-latency-")
+    try:
+        return _measure_in(warehouse, rate, args, cron)
+    finally:
+        shutil.rmtree(warehouse, ignore_errors=True)
+
+
+def _measure_in(warehouse: str, rate: float, args, cron: bool) -> dict:
     cfg = load_config(
         env={}, warehouse=warehouse, group_commit_interval_ms=args.group_commit_interval_ms, **RULES
     )
