@@ -30,7 +30,7 @@ from jobs.jvm_calls import select_expr
 from jobs.transforms import sql_string, sql_strings
 from schemas import DISTINCT_COLUMNS
 from txn_core import kept_tables
-from txn_core.delta_log import file_stats, local_path, reader_duties, writer_duties
+from txn_core.delta_log import file_stats, local_path, reader_duties, refresh, writer_duties
 from txn_core.log_trim import trim_behind_newest
 from txn_core.storage import is_s3, object_key, options_for, registered
 
@@ -342,7 +342,7 @@ def after_commit(table) -> int:
     writer would (`checkpoint_as_delta_does`); at each checkpoint of a state
     table, its log trimmed to the last hundred or so entries
     (`job_tables.keeps_short_log`)."""
-    table.update_incremental()
+    refresh(table)  # a driver write has moved the handle; a staged one has not
     version: int = table.version()
     checkpointed = checkpoint_as_delta_does(table, version, table.metadata().configuration)
     if checkpointed and job_tables.keeps_short_log(table.table_uri):

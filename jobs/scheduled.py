@@ -24,6 +24,7 @@ from jobs.appends import snapshot_files_by_stats
 from jobs.job_tables import NO_VERSION
 from schemas import table_path
 from schemas.tables import SCHEDULED
+from txn_core.delta_log import refresh
 from txn_core.storage import options_for
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ def _merge_small_files(table) -> int:
     `ROWS_PER_FILE` rows (delta-rs' z-order on the one column: a sort), so
     that a window's read opens a few files again; no row changes
     (dataChange false), and the cost follows what waits."""
-    table.update_incremental()
+    refresh(table)
     files = pa.table(table.get_add_actions(flatten=True))
     small = pc.sum(pc.less(files["num_records"], SMALL_FILE_ROWS)).as_py() or 0
     if small < SMALL_FILES_TO_MERGE:

@@ -54,6 +54,7 @@ from schemas import CONSUMER_MEMBERS, CONSUMER_OFFSETS, DLQ, HALF, TOPIC, table_
 from schemas.arrow import arrow_schema
 from txn_core import forks
 from txn_core.config import Config, ConfigError, absolute_warehouse, int_in_range
+from txn_core.delta_log import refresh
 from txn_core.errors import BrokerClosedError, MessageValidationError, PersistError, TxnError
 from txn_core.message import QUEUE_ID_MAX, QUEUE_OFFSET_MAX, validate_topic
 from txn_core.storage import Storage, options_for, use
@@ -387,7 +388,7 @@ def _append(table: DeltaTable, rows: pa.Table) -> None:
     concurrent delete or compaction (`maintain_consumer_tables`) overlaps;
     nothing was committed then, so it appends again on the new version."""
     for attempt in range(_APPEND_ATTEMPTS):
-        table.update_incremental()
+        refresh(table)
         try:
             write_deltalake(table, rows, mode="append")
             return
@@ -711,7 +712,7 @@ class Consumer:
         """The other live members of the group on the topic and the queues each
         holds (its newest row, not leaving, not older than member_timeout_s)."""
         table = self._members_handle()
-        table.update_incremental()
+        refresh(table)
         heartbeat = pc.field("heartbeat_ms")
         # Files whose heartbeats are all older than the timeout are not opened
         # (delta-rs gives pyarrow each file's min/max as its guarantee).
@@ -775,7 +776,7 @@ class Consumer:
 
     def _open_topic(self) -> DeltaTable | None:
         if self._topic_table is not None:
-            self._topic_table.update_incremental()
+            refresh(self._topic_table)  # an idle poll costs two file looks
             return self._topic_table
         uri = topic_path(self.warehouse, self.topic)
         try:

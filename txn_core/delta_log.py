@@ -30,6 +30,7 @@ __all__ = [
     "local_dir",
     "local_path",
     "plain_reader",
+    "refresh",
     "reader_duties",
     "writer_duties",
 ]
@@ -129,6 +130,38 @@ def latest_s3_version(client: Any, bucket: str, table_key: str) -> int | None:
                 newest = max(newest if newest is not None else -1, int(match.group(1)))
     # the checkpoint's own entry may be gone (expired): the checkpoint says it was committed
     return newest if newest is not None else start
+
+
+def refresh(table: Any) -> None:
+    """Bring the delta-rs `table` up to its latest version
+    (`update_incremental`), unless a look at two files tells that its log on
+    a local disk holds nothing newer (`_local_log_ends_at`).
+
+    On a local disk delta-rs lists the whole `_delta_log` at every update,
+    found new entries or not: a cost that grows with the log, which a topic
+    keeps for days. Elsewhere (S3 lists from a version) it updates as it is.
+    """
+    root = local_dir(table)
+    if root is None or not _local_log_ends_at(root, table.version()):
+        table.update_incremental()
+
+
+def _local_log_ends_at(root: str, version: int) -> bool:
+    """Whether the log of the table directory `root` holds no version after
+    `version`: no entry of the next one (versions are committed one after
+    another), and no checkpoint past it (entries are only removed behind one,
+    and `_last_checkpoint` names the newest before any is removed). False
+    when that cannot be told."""
+    log = os.path.join(root, LOG_DIR)
+    if os.path.exists(os.path.join(log, entry_name(version + 1))):
+        return False
+    try:
+        with open(os.path.join(log, "_last_checkpoint"), "rb") as f:
+            return int(json.loads(f.read())["version"]) <= version
+    except FileNotFoundError:
+        return True  # no checkpoint: no entry was ever removed
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # unreadable: let delta-rs list the log
 
 
 def entry_name(version: int) -> str:

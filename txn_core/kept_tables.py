@@ -4,8 +4,9 @@ Opening a table replays its log from the last checkpoint, and a continuous
 job's run uses a dozen of its own tables (the run records, the pending set,
 the queues, the topics it commits to), most of them on the run's critical
 path (docs/performance.md). A table given back after use is brought up to
-date when taken again (`update_incremental`: a listing of the log and the
-entries added since), so later commits by anyone (an operator's
+date when taken again (`txn_core.delta_log.refresh`: on a local disk a look
+at the next entry, a listing of the log and the entries added since only
+when there are any), so later commits by anyone (an operator's
 compaction, another process) are seen as on a fresh open.
 
 A table is never shared: taking it removes it from here, and a second user
@@ -32,7 +33,7 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from txn_core.delta_log import entry_name, local_path, open_table
+from txn_core.delta_log import entry_name, local_path, open_table, refresh
 from txn_core.storage import StorageError, is_s3, registered
 
 if TYPE_CHECKING:
@@ -234,7 +235,7 @@ def _updated(table: DeltaTable) -> bool:
     from deltalake.exceptions import DeltaError
 
     try:
-        table.update_incremental()
+        refresh(table)
     except (DeltaError, OSError):
         return False
     return True

@@ -48,3 +48,65 @@ def test_the_latest_local_version_is_the_newest_entry_listed(tmp_path):
     # an entry being written elsewhere and not linked yet is not a version
     (tmp_path / "t" / "_delta_log" / "_commit_0123.json.tmp").write_text("{}")
     assert delta_log.latest_local_version(table) == DeltaTable(table).version() == 11
+
+
+def _counting_updates(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    update = DeltaTable.update_incremental
+
+    def counted(self):
+        calls.append(self.version())
+        return update(self)
+
+    monkeypatch.setattr(DeltaTable, "update_incremental", counted)
+    return calls
+
+
+def test_refresh_leaves_a_local_table_alone_when_its_log_holds_nothing_newer(tmp_path, monkeypatch):
+    write_deltalake(str(tmp_path), pa.table({"a": [1]}))
+    table = DeltaTable(str(tmp_path))
+    calls = _counting_updates(monkeypatch)
+    delta_log.refresh(table)
+    assert calls == [] and table.version() == 0
+    write_deltalake(str(tmp_path), pa.table({"a": [2]}), mode="append")  # another writer
+    delta_log.refresh(table)
+    assert calls == [0] and table.version() == 1
+    assert sorted(table.to_pyarrow_table()["a"].to_pylist()) == [1, 2]
+
+
+def test_refresh_sees_versions_whose_entries_were_removed_behind_a_checkpoint(tmp_path):
+    write_deltalake(str(tmp_path), pa.table({"a": [0]}))
+    table = DeltaTable(str(tmp_path))
+    for n in range(1, 6):
+        write_deltalake(str(tmp_path), pa.table({"a": [n]}), mode="append")
+    DeltaTable(str(tmp_path)).create_checkpoint()
+    for n in range(0, 5):  # log clean-up: the next entry is gone, the checkpoint tells
+        (tmp_path / "_delta_log" / delta_log.entry_name(n)).unlink()
+    delta_log.refresh(table)
+    assert table.version() == 5
+    assert sorted(table.to_pyarrow_table()["a"].to_pylist()) == [0, 1, 2, 3, 4, 5]
+
+
+def test_refresh_updates_when_the_checkpoint_pointer_cannot_be_read(tmp_path, monkeypatch):
+    write_deltalake(str(tmp_path), pa.table({"a": [1]}))
+    table = DeltaTable(str(tmp_path))
+    (tmp_path / "_delta_log" / "_last_checkpoint").write_text("{not json")
+    calls = _counting_updates(monkeypatch)
+    delta_log.refresh(table)
+    assert calls == [0]
+
+
+def test_refresh_of_a_table_on_s3_always_updates(monkeypatch):
+    class OnS3:
+        table_uri = "s3://bucket/t"
+        updates = 0
+
+        def version(self) -> int:
+            return 3
+
+        def update_incremental(self) -> None:
+            self.updates += 1
+
+    table = OnS3()
+    delta_log.refresh(table)
+    assert table.updates == 1
