@@ -30,7 +30,15 @@ from jobs.jvm_calls import select_expr
 from jobs.transforms import sql_string, sql_strings
 from schemas import DISTINCT_COLUMNS
 from txn_core import kept_tables
-from txn_core.delta_log import file_stats, local_path, reader_duties, refresh, writer_duties
+from txn_core.delta_log import (
+    catch_up,
+    file_stats,
+    local_path,
+    reader_duties,
+    refresh,
+    tip,
+    writer_duties,
+)
 from txn_core.log_trim import trim_behind_newest
 from txn_core.storage import is_s3, object_key, options_for, registered
 
@@ -63,7 +71,8 @@ def committable(path: str, df: DataFrame):
     from deltalake.exceptions import TableNotFoundError
 
     try:
-        table = kept_tables.take(path, options_for(path))
+        # its commits catch up with the appends made by hand (`driver_writes`)
+        table = kept_tables.take(path, options_for(path), behind_own_appends=True)
     except TableNotFoundError:
         return None
     if reader_duties(table) is None and writer_duties(table) is None:
@@ -313,6 +322,7 @@ def commit(table, adds: list, mode: str, user_metadata: str) -> int:
     """Commit staged `adds` to the table (`mode`: append, or overwrite: they
     replace every file), with `user_metadata` in its commitInfo; the version."""
     _check_mode(mode)
+    catch_up(table)
     table.create_write_transaction(
         adds, mode=mode, schema=table.schema(), **commit_options(user_metadata)
     )
@@ -342,8 +352,10 @@ def after_commit(table) -> int:
     writer would (`checkpoint_as_delta_does`); at each checkpoint of a state
     table, its log trimmed to the last hundred or so entries
     (`job_tables.keeps_short_log`)."""
-    refresh(table)  # a driver write has moved the handle; a staged one has not
-    version: int = table.version()
+    # a driver write has moved the table, one by hand noted its version
+    # (`delta_log.tip`), a staged one did neither
+    refresh(table, behind_own_appends=True)
+    version = tip(table)
     checkpointed = checkpoint_as_delta_does(table, version, table.metadata().configuration)
     if checkpointed and job_tables.keeps_short_log(table.table_uri):
         trim_behind_newest(table)
@@ -489,6 +501,7 @@ def checkpoint_as_delta_does(table, version: int, config: dict) -> bool:
     most that many commits. Returns whether it made one."""
     interval = int(config.get("delta.checkpointInterval", DEFAULT_CHECKPOINT_INTERVAL))
     if interval > 0 and version > 0 and version % interval == 0:
+        catch_up(table)  # to the version checkpointed, or past it
         table.create_checkpoint()
         table.cleanup_metadata()
         return True

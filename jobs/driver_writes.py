@@ -21,6 +21,8 @@ import pyarrow.compute as pc
 from pyspark.sql import DataFrame
 
 from jobs.commits import after_commit, commit_options
+from txn_core.blind_append import BlindAppender, unsupported_reason
+from txn_core.delta_log import appended, catch_up, local_dir, tip
 
 #: rows of a table without message bodies (each ~100-200 bytes) one write
 #: may collect
@@ -51,10 +53,15 @@ def collect(df: DataFrame) -> pa.Table:
     return df.toArrow()
 
 
-def write(rows: pa.Table, table, mode: str, user_metadata: str) -> int:
+def write(rows: pa.Table, table, mode: str, user_metadata: str, *, by_hand: bool = False) -> int:
     """Commit `rows` (`collect`) to the delta-rs `table` (`commits.committable`
     for their columns) as one commit, appended or replacing every row
     (`mode`), with `user_metadata` in its commitInfo. Returns the version.
+
+    `by_hand`: an append to a table on a local disk is committed by an entry
+    this process writes (`_append_by_hand`), leaving `table` behind it:
+    delta-rs would list the whole log there twice, and a topic keeps days of
+    it. Elsewhere, and to a table it may not write so, delta-rs commits.
 
     A null in a NOT NULL column raises, naming the column, and nothing is
     committed (as Delta's writer does).
@@ -65,10 +72,29 @@ def write(rows: pa.Table, table, mode: str, user_metadata: str) -> int:
         raise ValueError(f"mode must be 'append' or 'overwrite'; got {mode!r}")
     schema = pa.schema(table.schema().to_arrow())
     _check_not_null(rows, schema, table.table_uri)
-    write_deltalake(
-        table, rows.select(schema.names).cast(schema), mode=mode, **commit_options(user_metadata)
-    )
+    rows = rows.select(schema.names).cast(schema)
+    if by_hand and mode == "append" and _append_by_hand(rows, table, user_metadata):
+        return after_commit(table)
+    catch_up(table)
+    write_deltalake(table, rows, mode=mode, **commit_options(user_metadata))
     return after_commit(table)
+
+
+def _append_by_hand(rows: pa.Table, table, user_metadata: str) -> bool:
+    """Append `rows` to `table` on a local disk as the producers do
+    (`txn_core.blind_append`: a parquet file, then a log entry linked in
+    only if its version is free), right after the newest version this
+    process knows (`delta_log.tip`); False, nothing written, for a table
+    elsewhere or one it may not write so, or no rows (delta-rs adds no
+    file then). A version taken meanwhile raises CommitFailedError, as a
+    delta-rs commit without retries does."""
+    if not rows.num_rows or local_dir(table) is None:
+        return False
+    if unsupported_reason(table, rows.schema) is not None:
+        return False
+    appender = BlindAppender(table, rows.schema, after=tip(table), strict=True)
+    appended(table, appender.append(rows, user_metadata))
+    return True
 
 
 def split(rows: pa.Table, column: str, values: Iterable[str]) -> dict[str, pa.Table]:

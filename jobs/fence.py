@@ -36,6 +36,7 @@ from typing import TypeVar
 from deltalake.exceptions import CommitFailedError
 
 from jobs.lease import Lease, LeaseLost
+from txn_core.delta_log import tip
 from txn_core.kept_tables import read_at
 
 #: commits by others than a run (an operator's) a fenced commit steps over
@@ -63,7 +64,7 @@ def commit(table, lease: Lease | None, make: Callable[[], R]) -> R:
     read_ns = read_at(table)
     for _ in range(FOREIGN_COMMITS_STEPPED_OVER + 1):
         lease.verify(read_ns)
-        version = table.version()
+        version = tip(table)
         try:
             return make()
         except CommitFailedError as exc:

@@ -105,8 +105,12 @@ class BlindAppender:
     42
 
     `dictionary_columns`: the columns whose parquet pages may use dictionary
-    encoding (the others are written plain). Raises ValueError when the table
-    is not one it may write (`unsupported_reason`).
+    encoding (the others are written plain). `after`: the version its first
+    commit follows, when the caller knows one newer than the table's (its own
+    appends since). `strict`: a lost race raises CommitFailedError, nothing
+    committed, rather than moving past the winner, for a writer whose commit
+    must follow the version it read (the job's, `jobs.fence`). Raises
+    ValueError when the table is not one it may write (`unsupported_reason`).
     """
 
     def __init__(
@@ -116,6 +120,8 @@ class BlindAppender:
         *,
         dictionary_columns: list[str] | None = None,
         storage_options: dict[str, str] | None = None,
+        after: int | None = None,
+        strict: bool = False,
     ):
         reason = unsupported_reason(table, schema, storage_options)
         if reason is not None:
@@ -128,15 +134,17 @@ class BlindAppender:
         self._required = [f.name for f in schema if not f.nullable]
         self._with_stats = [f.name for f in schema if _has_stats(f.type)]
         self._checkpoint_interval = _checkpoint_interval(table)
-        self._next = table.version() + 1
+        self._next = (table.version() if after is None else after) + 1
+        self._strict = strict
         self._known_at = time.monotonic()  # when `_next - 1` was last seen in the log
         # File names: unique across processes by the appender's id, within it
         # by a counter (a uuid4 per file would be one more system call).
         self._id = uuid.uuid4()
         self._files = itertools.count()
 
-    def append(self, rows: pa.Table) -> int:
-        """Commit `rows` as one new file; returns the table version that adds it.
+    def append(self, rows: pa.Table, user_metadata: str | None = None) -> int:
+        """Commit `rows` as one new file, with `user_metadata` in the
+        commitInfo if given; returns the table version that adds it.
 
         Raises ValueError (nothing written) for rows of another schema or with
         nulls in a NOT NULL column, TableChanged when a concurrent commit made
@@ -152,7 +160,7 @@ class BlindAppender:
         data = sink.getvalue()
         self._store.write_file(name, data)
         try:
-            entry = self._entry(data, name)
+            entry = self._entry(data, name, user_metadata)
             return self._commit(entry, seq)
         except EntryOutcomeUnknown:
             raise  # the file stays: a committed entry may reference it
@@ -174,7 +182,7 @@ class BlindAppender:
         if nulls:
             raise ValueError(f"NOT NULL column(s) {nulls} of {self._table.table_uri} hold nulls")
 
-    def _entry(self, data: pa.Buffer, name: str) -> bytes:
+    def _entry(self, data: pa.Buffer, name: str, user_metadata: str | None) -> bytes:
         """The log entry of the commit: commitInfo and the file's add action,
         with the statistics readers skip files by, whole values as delta-rs
         writes them. They must be complete: delta-rs' pyarrow dataset reads a
@@ -190,6 +198,8 @@ class BlindAppender:
             "engineInfo": ENGINE_INFO,
             "clientVersion": ENGINE_INFO,
         }
+        if user_metadata is not None:
+            commit_info["userMetadata"] = user_metadata
         add = {
             "path": name,
             "partitionValues": {},
@@ -212,6 +222,7 @@ class BlindAppender:
                     winner = self._store.read_entry(version)
                     if winner == entry:  # ours: a retried put whose answer was lost
                         return self._committed(version)
+                    self._refuse_if_strict(version)
                     self._next = version + 1
                     self._after_lost_race(winner)
                     continue
@@ -222,6 +233,7 @@ class BlindAppender:
                     # checking the table (the versions jumped over were not read
                     # one by one as lost races are).
                     self._store.remove_entry(version)
+                    self._refuse_if_strict(version)
                     self._revalidate()
                     continue
                 return self._committed(version)
@@ -253,6 +265,14 @@ class BlindAppender:
         self._next = version + 1
         self._known_at = time.monotonic()
         return version
+
+    def _refuse_if_strict(self, version: int) -> None:
+        if self._strict:
+            from deltalake.exceptions import CommitFailedError
+
+            raise CommitFailedError(
+                f"{self._table.table_uri}: version {version} was committed by another writer"
+            )
 
     def _after_lost_race(self, winner: bytes | None) -> None:
         """A blind append conflicts with nothing but a protocol or metadata change."""

@@ -21,6 +21,8 @@ from urllib.parse import unquote, urlparse
 __all__ = [
     "LOG_DIR",
     "SAFE_WRITER_FEATURES",
+    "appended",
+    "catch_up",
     "checkpoint_versions",
     "entry_name",
     "file_stats",
@@ -30,12 +32,16 @@ __all__ = [
     "local_dir",
     "local_path",
     "plain_reader",
-    "refresh",
     "reader_duties",
+    "refresh",
+    "tip",
     "writer_duties",
 ]
 
 LOG_DIR = "_delta_log"
+#: the attribute of a delta-rs table holding (the version it was at, the
+#: version this process appended by hand through it since), for `tip`
+_TIP = "_txn_appended"
 #: writer features whose duties a writer of whole files (adds and removes of
 #: plain columns) meets by itself: appendOnly (it only adds, or the table is
 #: not append-only), invariants (NOT NULL is checked; column invariants are
@@ -132,7 +138,7 @@ def latest_s3_version(client: Any, bucket: str, table_key: str) -> int | None:
     return newest if newest is not None else start
 
 
-def refresh(table: Any) -> None:
+def refresh(table: Any, *, behind_own_appends: bool = False) -> None:
     """Bring the delta-rs `table` up to its latest version
     (`update_incremental`), unless a look at two files tells that its log on
     a local disk holds nothing newer (`_local_log_ends_at`).
@@ -140,9 +146,36 @@ def refresh(table: Any) -> None:
     On a local disk delta-rs lists the whole `_delta_log` at every update,
     found new entries or not: a cost that grows with the log, which a topic
     keeps for days. Elsewhere (S3 lists from a version) it updates as it is.
+    `behind_own_appends`: for a caller that only appends by hand, the table
+    may stay behind the versions this process appended through it (`tip`):
+    only a commit by someone else brings it up to date.
     """
     root = local_dir(table)
-    if root is None or not _local_log_ends_at(root, table.version()):
+    known = tip(table) if behind_own_appends else table.version()
+    if root is None or not _local_log_ends_at(root, known):
+        table.update_incremental()
+
+
+def tip(table: Any) -> int:
+    """The newest version of the delta-rs `table` this process knows: the one
+    it is at, or past it the last this process appended by hand through it
+    (`appended`) while it stayed behind."""
+    base, newest = table.__dict__.get(_TIP, (None, None))
+    return int(newest) if base == table.version() else int(table.version())
+
+
+def appended(table: Any, version: int) -> None:
+    """Note that this process committed `version` of `table` by hand (an
+    entry delta-rs did not write), leaving the table where it is: on a
+    local disk delta-rs would list the whole log to move it (`catch_up`)."""
+    setattr(table, _TIP, (table.version(), version))
+
+
+def catch_up(table: Any) -> None:
+    """Bring `table` up to date if it is behind the versions this process
+    appended through it (`appended`), for a caller that reads its files or
+    commits through delta-rs."""
+    if tip(table) > table.version():
         table.update_incremental()
 
 

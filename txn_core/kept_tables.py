@@ -58,12 +58,18 @@ _READ = "_txn_kept_read"
 
 
 def take(
-    uri: str, storage_options: dict[str, str] | None = None, version: int | None = None
+    uri: str,
+    storage_options: dict[str, str] | None = None,
+    version: int | None = None,
+    *,
+    behind_own_appends: bool = False,
 ) -> DeltaTable:
     """The delta-rs table at `uri` (at `version`; default: its latest),
     yours until `give_back`: the one given back last, up to date, or a new
     open (`txn_core.delta_log.open_table`), whose errors (no table) it
-    raises."""
+    raises. `behind_own_appends`: for a caller that only appends by hand
+    from its `delta_log.tip`, the table may stay behind the versions this
+    process appended through it (`delta_log.refresh`)."""
     key = _key(uri)
     with _lock:
         entry = None if key is None else _kept.pop(key, None)
@@ -73,7 +79,7 @@ def take(
             _keep(key, entry)  # for a caller with the options it was opened with
         elif _entry_identity(table) == identity:
             checked_at = table.version()
-            if _updated(table):
+            if _updated(table, behind_own_appends):
                 # given back still at the version checked here, it needs no new check
                 setattr(table, _CHECKED, (checked_at, identity))
                 if version is None or table.version() == version:
@@ -230,12 +236,12 @@ def _s3_log(uri: str, storage_options: dict[str, str] | None) -> tuple[Any, str,
     return client, bucket, f"{key.strip('/')}/_delta_log/"
 
 
-def _updated(table: DeltaTable) -> bool:
+def _updated(table: DeltaTable, behind_own_appends: bool) -> bool:
     """Whether the table could be brought up to its latest version."""
     from deltalake.exceptions import DeltaError
 
     try:
-        refresh(table)
+        refresh(table, behind_own_appends=behind_own_appends)
     except (DeltaError, OSError):
         return False
     return True

@@ -121,6 +121,35 @@ def test_appenders_and_delta_rs_writers_share_a_table(warehouse):
     assert not [n for n in os.listdir(os.path.join(path, "_delta_log")) if n.endswith(".tmp")]
 
 
+def test_a_strict_appender_that_lost_its_version_commits_nothing_and_says_so(warehouse):
+    """The job's commits must follow the version they read (jobs.fence):
+    a strict appender raises as a delta-rs commit without retries does."""
+    from deltalake.exceptions import CommitFailedError
+
+    table = open_or_create(warehouse, OP)
+    path, schema = table_path(warehouse, OP), arrow_schema(OP)
+    rows = to_arrow(schema, op_rows([1]), "store_ms", STORE_MS)
+    strict = BlindAppender(table, schema, strict=True)
+    write_deltalake(DeltaTable(path), rows, mode="append")  # another writer takes version 1
+    files = set(os.listdir(path))
+    with pytest.raises(CommitFailedError, match="version 1 was committed by another writer"):
+        strict.append(rows, "run 7")
+    assert DeltaTable(path).version() == 1
+    assert set(os.listdir(path)) == files  # its parquet file removed
+    assert not [n for n in os.listdir(os.path.join(path, "_delta_log")) if n.endswith(".tmp")]
+
+
+def test_an_appender_after_a_version_it_knows_tags_its_commit(warehouse):
+    table = open_or_create(warehouse, OP)
+    path, schema = table_path(warehouse, OP), arrow_schema(OP)
+    rows = to_arrow(schema, op_rows([1]), "store_ms", STORE_MS)
+    first = BlindAppender(table, schema)
+    assert first.append(rows) == 1
+    # the table is still at version 0: the version after the appender's own is given
+    assert BlindAppender(table, schema, after=1, strict=True).append(rows, "run 7") == 2
+    assert [h.get("userMetadata") for h in DeltaTable(path).history(2)] == ["run 7", None]
+
+
 def test_nulls_in_a_not_null_column_are_refused_and_nothing_is_written(warehouse):
     table = open_or_create(warehouse, OP)
     schema = arrow_schema(OP)

@@ -110,3 +110,28 @@ def test_refresh_of_a_table_on_s3_always_updates(monkeypatch):
     table = OnS3()
     delta_log.refresh(table)
     assert table.updates == 1
+
+
+def test_a_table_left_behind_its_own_appends_knows_its_tip_and_catches_up(tmp_path, monkeypatch):
+    write_deltalake(str(tmp_path), pa.table({"a": [1]}))
+    table = DeltaTable(str(tmp_path))
+    assert delta_log.tip(table) == 0
+    write_deltalake(str(tmp_path), pa.table({"a": [2]}), mode="append")  # as if by hand
+    delta_log.appended(table, 1)
+    assert (table.version(), delta_log.tip(table)) == (0, 1)
+    calls = _counting_updates(monkeypatch)
+    delta_log.refresh(table, behind_own_appends=True)  # nothing but its own since
+    assert calls == [] and table.version() == 0
+    write_deltalake(str(tmp_path), pa.table({"a": [3]}), mode="append")  # someone else's
+    delta_log.refresh(table, behind_own_appends=True)
+    assert calls == [0] and delta_log.tip(table) == table.version() == 2
+    delta_log.catch_up(table)  # not behind: nothing to do
+    write_deltalake(str(tmp_path), pa.table({"a": [4]}), mode="append")  # as if by hand
+    delta_log.appended(table, 3)
+    delta_log.refresh(table)  # a reader's refresh catches up with them
+    assert calls == [0, 2] and delta_log.tip(table) == table.version() == 3
+    delta_log.appended(table, 4)  # (had it committed version 4 by hand)
+    write_deltalake(str(tmp_path), pa.table({"a": [5]}), mode="append")
+    delta_log.catch_up(table)
+    assert calls == [0, 2, 3] and table.version() == 4
+    assert sorted(table.to_pyarrow_table()["a"].to_pylist()) == [1, 2, 3, 4, 5]

@@ -5,6 +5,8 @@ NULL holds, and only writes that fit in the driver take this path."""
 
 from __future__ import annotations
 
+import os
+
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
@@ -99,6 +101,40 @@ def test_the_rows_of_several_tables_are_collected_once_and_committed_to_each(spa
         for t, p in paths.items()
     }
     assert read == {"ORDER": [1, 2], "PAY": [7]}
+
+
+def test_a_topics_appends_by_hand_list_its_log_only_to_checkpoint_it(spark, warehouse, monkeypatch):
+    """A topic keeps days of log (topic_log_retention_hours), which delta-rs
+    lists whole on a local disk at every commit: a run's appends to it are
+    written by hand, the kept table left behind them until a checkpoint."""
+    path = job_tables.ensure_topic_table(warehouse, "ORDER")
+    updates: list[int] = []
+    update = DeltaTable.update_incremental
+    monkeypatch.setattr(
+        DeltaTable, "update_incremental", lambda t: (updates.append(t.version()), update(t))
+    )
+    rows = driver_writes.collect(_topic_rows(spark, range(10)))
+    versions = []
+    for run in range(1, 13):
+        table = tagged_writes.split_tables(
+            _topic_rows(spark, []).withColumn("topic", F.lit("ORDER")), "topic", {"ORDER": path}
+        )["ORDER"]
+        batch = rows.slice(run - 1, 1) if run <= 10 else rows.slice(9, 0)
+        versions.append(
+            driver_writes.write(batch, table, "append", _tag(run, "topics/ORDER"), by_hand=True)
+        )
+    assert versions == list(range(1, 13))
+    # once, to checkpoint version 10; runs 11 and 12 add no file (delta-rs commits them)
+    assert updates == [0]
+    assert os.path.exists(f"{path}/_delta_log/{10:020d}.checkpoint.parquet")
+    engines = [h.get("engineInfo") for h in DeltaTable(path).history(12)]
+    assert engines.count("lakehouse-txn blind append") == 10
+    assert tagged_writes.committed_by_run(path, 12, "topics/ORDER")
+    got = spark.read.format("delta").load(path)
+    assert sorted(r.queue_offset for r in got.collect()) == list(range(10))
+    seek = got.where("queue_offset > 8")
+    assert [r.queue_offset for r in seek.collect()] == [9]
+    assert len(seek.inputFiles()) == 1  # the statistics written by hand skip files
 
 
 def _tag(run: int, app: str) -> str:
@@ -327,10 +363,10 @@ def test_a_run_commits_to_its_topics_all_at_once(spark, warehouse, monkeypatch):
     both_started = threading.Barrier(2, timeout=30)
     real = driver_writes.write
 
-    def write(rows, table, mode, user_metadata):
+    def write(rows, table, mode, user_metadata, **options):
         if "/topics/" in table.table_uri:
             both_started.wait()
-        return real(rows, table, mode, user_metadata)
+        return real(rows, table, mode, user_metadata, **options)
 
     monkeypatch.setattr(driver_writes, "write", write)
     now = 1_800_000_000_000

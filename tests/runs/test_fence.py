@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 from deltalake import CommitProperties, DeltaTable, write_deltalake
 
-from jobs import fence, tagged_writes
+from jobs import driver_writes, fence, tagged_writes
 from jobs.lease import Lease, LeaseLost
 from jobs.reconcile import reconcile
 from jobs.verify import verify
@@ -123,6 +123,45 @@ def test_a_fenced_commit_steps_over_an_operators_commit(warehouse):
     _append(DeltaTable(path), 2)  # an operator's commit (no run's tag) after the handle's read
     fence.commit(handle, mine, lambda: _append(handle, 3, tag=_tag(1)))
     assert _values(path) == [1, 2, 3]
+
+
+def test_a_commit_by_hand_from_behind_its_handle_steps_over_an_operators_commit(warehouse):
+    """A topic's commits are appended by hand (`driver_writes.write(by_hand=True)`),
+    the handle left behind them: the fence reads the version they reached."""
+    path = f"{warehouse}/t"
+    _table(path, 1)
+    mine = Lease(warehouse, TTL_S).acquire()
+    handle = kept_tables.take(path, options_for(path), behind_own_appends=True)
+
+    def by_hand(value: int, run: int):
+        rows = pa.table({"v": [value]})
+        return lambda: driver_writes.write(rows, handle, "append", _tag(run), by_hand=True)
+
+    assert fence.commit(handle, mine, by_hand(2, 1)) == 1
+    assert handle.version() == 0  # left behind: no listing of the log
+    _append(DeltaTable(path), 3)  # an operator's commit (no run's tag)
+    assert fence.commit(handle, mine, by_hand(4, 2)) == 3
+    assert _values(path) == [1, 2, 3, 4]
+    assert tagged_writes.committed_by_run(path, 2, "t")
+
+
+def test_a_commit_by_hand_after_another_runs_commit_never_lands(warehouse):
+    path = f"{warehouse}/t"
+    _table(path, 1)
+    mine = Lease(warehouse, TTL_S, clock=_behind).acquire()
+    handle = kept_tables.take(path, options_for(path), behind_own_appends=True)
+    rows = pa.table({"v": [3]})
+
+    def stalled_then_commit() -> int:
+        Lease(warehouse, TTL_S).acquire()
+        _append(DeltaTable(path), 2, tag=_tag(1))
+        return driver_writes.write(rows, handle, "append", _tag(9), by_hand=True)
+
+    with pytest.raises(LeaseLost, match=r"another run \(run 1, t\) committed"):
+        fence.commit(handle, mine, stalled_then_commit)
+    assert _values(path) == [1, 2]
+    # the file written for the refused commit is gone with it
+    assert len([n for n in os.listdir(path) if n.endswith(".parquet")]) == 2
 
 
 def test_a_commit_by_a_holder_that_lost_its_lease_is_not_even_tried(warehouse):
