@@ -172,11 +172,14 @@ def appended(table: Any, version: int) -> None:
 
 
 def catch_up(table: Any) -> None:
-    """Bring `table` up to date if it is behind the versions this process
-    appended through it (`appended`), for a caller that reads its files or
-    commits through delta-rs."""
-    if tip(table) > table.version():
-        table.update_incremental()
+    """Bring `table` to the version this process appended by hand through it
+    (`appended`) if it is behind it, for a caller that reads its files or
+    commits through delta-rs. To that version, not the latest: a commit
+    from there fails if anyone committed since, as one from the version
+    read would (the job's fence, `jobs.fence`, stands on that)."""
+    newest = tip(table)
+    if newest > table.version():
+        table.load_as_version(newest)
 
 
 def _local_log_ends_at(root: str, version: int) -> bool:

@@ -108,10 +108,13 @@ def test_a_topics_appends_by_hand_list_its_log_only_to_checkpoint_it(spark, ware
     lists whole on a local disk at every commit: a run's appends to it are
     written by hand, the kept table left behind them until a checkpoint."""
     path = job_tables.ensure_topic_table(warehouse, "ORDER")
-    updates: list[int] = []
-    update = DeltaTable.update_incremental
+    updates: list[int] = []  # each a listing of the log, from the version the table was at
+    update, load = DeltaTable.update_incremental, DeltaTable.load_as_version
     monkeypatch.setattr(
         DeltaTable, "update_incremental", lambda t: (updates.append(t.version()), update(t))
+    )
+    monkeypatch.setattr(
+        DeltaTable, "load_as_version", lambda t, v: (updates.append(t.version()), load(t, v))
     )
     rows = driver_writes.collect(_topic_rows(spark, range(10)))
     versions = []
@@ -130,6 +133,7 @@ def test_a_topics_appends_by_hand_list_its_log_only_to_checkpoint_it(spark, ware
     engines = [h.get("engineInfo") for h in DeltaTable(path).history(12)]
     assert engines.count("lakehouse-txn blind append") == 10
     assert tagged_writes.committed_by_run(path, 12, "topics/ORDER")
+    assert tagged_writes.committed_by_run(path, 10, "topics/ORDER")  # an entry by hand
     got = spark.read.format("delta").load(path)
     assert sorted(r.queue_offset for r in got.collect()) == list(range(10))
     seek = got.where("queue_offset > 8")

@@ -164,6 +164,29 @@ def test_a_commit_by_hand_after_another_runs_commit_never_lands(warehouse):
     assert len([n for n in os.listdir(path) if n.endswith(".parquet")]) == 2
 
 
+def test_a_delta_rs_commit_from_behind_its_own_appends_never_lands_after_another_run(warehouse):
+    """A handle left behind its appends by hand is brought to the last of
+    them, not to the latest version, before delta-rs commits through it: a
+    commit from there fails on another run's, as one from the version read."""
+    path = f"{warehouse}/t"
+    _table(path, 1)
+    mine = Lease(warehouse, TTL_S, clock=_behind).acquire()
+    handle = kept_tables.take(path, options_for(path), behind_own_appends=True)
+    first = pa.table({"v": [2]})
+    fence.commit(
+        handle, mine, lambda: driver_writes.write(first, handle, "append", _tag(8), by_hand=True)
+    )
+
+    def stalled_then_overwrite() -> int:
+        Lease(warehouse, TTL_S).acquire()
+        _append(DeltaTable(path), 3, tag=_tag(1))
+        return driver_writes.write(pa.table({"v": [4]}), handle, "overwrite", _tag(9))
+
+    with pytest.raises(LeaseLost, match=r"another run \(run 1, t\) committed"):
+        fence.commit(handle, mine, stalled_then_overwrite)
+    assert _values(path) == [1, 2, 3]
+
+
 def test_a_commit_by_a_holder_that_lost_its_lease_is_not_even_tried(warehouse):
     path = f"{warehouse}/t"
     _table(path, 1)
