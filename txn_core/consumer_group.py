@@ -104,18 +104,25 @@ MEMBER_TIMEOUT_S = 30.0
 #: the longest member_timeout_s: `maintain_consumer_tables` expires older membership rows
 MEMBER_TIMEOUT_MAX_S = 86_400.0
 
-# Both tables are small and appended to by consumers only: no change data
-# feed (the producer tables' setting), just a checkpoint now and then.
+# The consumer tables are small and appended to by consumers only: no change
+# data feed (the producer tables' setting), just a checkpoint now and then.
 _CONSUMER_TABLE_CONFIG = {"delta.checkpointInterval": "100"}
 # Appends a concurrent maintenance commit made fail, tried again (`_append`).
 _APPEND_ATTEMPTS = 10
-# The membership table gets a row per member every heartbeat: keep its log
-# and removed files for a day only (maintain_consumer_tables expires the rows).
-_MEMBERS_TABLE_CONFIG = {
-    "delta.checkpointInterval": "100",
+#: the log of a table a member commits to at every heartbeat or poll is kept
+#: for a day, not Delta's 30: on a local disk delta-rs lists the whole log at
+#: every commit, so its cost follows the entries kept (`maintain_consumer_tables`
+#: sets it on tables made before it was set here)
+CONSUMER_LOG_RETENTION = {
     "delta.logRetentionDuration": "interval 1 days",
-    "delta.deletedFileRetentionDuration": "interval 1 days",
     "delta.enableExpiredLogCleanup": "true",
+}
+_OFFSETS_TABLE_CONFIG = {**_CONSUMER_TABLE_CONFIG, **CONSUMER_LOG_RETENTION}
+# The membership table gets a row per member every heartbeat: its removed
+# files go after a day too (maintain_consumer_tables expires the rows).
+_MEMBERS_TABLE_CONFIG = {
+    **_OFFSETS_TABLE_CONFIG,
+    "delta.deletedFileRetentionDuration": "interval 1 days",
 }
 
 
@@ -913,7 +920,7 @@ class Consumer:
             self._offsets_table = open_or_create(
                 self.warehouse,
                 CONSUMER_OFFSETS,
-                configuration=_CONSUMER_TABLE_CONFIG,
+                configuration=_OFFSETS_TABLE_CONFIG,
                 storage_options=self._storage_options,
             )
         now_ms = self._now_ms()

@@ -34,7 +34,7 @@ from schemas import CHECK_ANSWERS, CONSUMER_MEMBERS, CONSUMER_OFFSETS, HALF, OP,
 from schemas.tables import CANCELLED
 from txn_core.broker import Broker
 from txn_core.config import absolute_warehouse
-from txn_core.consumer_group import MEMBER_TIMEOUT_MAX_S
+from txn_core.consumer_group import CONSUMER_LOG_RETENTION, MEMBER_TIMEOUT_MAX_S
 from txn_core.log_trim import job_cursor, trim_log
 from txn_core.tables import open_existing
 from txn_core.vocabulary import MessageType
@@ -272,8 +272,11 @@ def _sql_string(value: str) -> str:
 
 
 def _tidy(table: DeltaTable, path: str, report: MaintenanceReport, vacuum: bool) -> None:
-    """Compact, checkpoint, clean the log and vacuum a consumer table."""
+    """Give a consumer table `CONSUMER_LOG_RETENTION` if it lacks it (made
+    before that was set at creation), then compact, checkpoint, clean the
+    log and vacuum it."""
     table.update_incremental()
+    _keep_a_day_of_log(table, path)
     try:
         metrics = table.optimize.compact()
         report.compacted_files[path] = int(metrics.get("numFilesRemoved", 0))
@@ -284,6 +287,17 @@ def _tidy(table: DeltaTable, path: str, report: MaintenanceReport, vacuum: bool)
     table.cleanup_metadata()
     if vacuum:
         report.vacuumed_files += len(table.vacuum(dry_run=False))
+
+
+def _keep_a_day_of_log(table: DeltaTable, path: str) -> None:
+    configuration = table.metadata().configuration
+    if all(configuration.get(k) == v for k, v in CONSUMER_LOG_RETENTION.items()):
+        return
+    try:
+        table.alter.set_table_properties(CONSUMER_LOG_RETENTION)
+    except CommitFailedError as exc:  # a consumer's append came first
+        log.info("setting the log retention of %s lost a race (%s); next pass", path, exc)
+    table.update_incremental()
 
 
 __all__ = ["MaintenanceReport", "maintain", "maintain_consumer_tables", "purge_resolved"]

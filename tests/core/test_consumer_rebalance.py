@@ -7,7 +7,9 @@ objects with the ids "a", "b", "c" in one process (the rule sorts them)."""
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections import Counter
 
 import pyarrow as pa
@@ -29,6 +31,7 @@ from txn_core import (
     QueueNotAssignedError,
 )
 from txn_core.consumer_group import (
+    CONSUMER_LOG_RETENTION,
     HEARTBEAT_INTERVAL_S,
     MEMBER_TIMEOUT_S,
     allocate_queues,
@@ -441,6 +444,51 @@ def test_maintenance_expires_old_heartbeats_and_superseded_offsets(warehouse):
     assert ids(a.poll()) == [(0, 5), (1, 5), (1, 6)]
     assert a.commit() == {0: 6, 1: 7}
     assert maintain_consumer_tables(warehouse, int(clock.now * 1000)).superseded_offset_rows == 2
+
+
+def test_consumer_tables_keep_a_day_of_log_and_maintenance_gives_older_tables_that(warehouse):
+    """On a local disk delta-rs lists a table's whole log at every commit:
+    a member commits at every poll, so the offsets table may keep a day of
+    entries, not Delta's 30. A table made before that setting gets it from
+    maintenance, and its older entries then go."""
+    offsets_path = table_path(warehouse, CONSUMER_OFFSETS)
+    empty = pa.Table.from_pylist([], schema=arrow_schema(CONSUMER_OFFSETS))
+    write_deltalake(offsets_path, empty, mode="append")  # an offsets table of before
+    deliver(warehouse, q0=range(4))
+    clock = Clock()
+    consumer = member(warehouse, "a", clock)
+    for _ in range(4):
+        consumer.poll(1)
+        consumer.commit()
+    members = DeltaTable(table_path(warehouse, CONSUMER_MEMBERS)).metadata().configuration
+    assert {k: members.get(k) for k in CONSUMER_LOG_RETENTION} == CONSUMER_LOG_RETENTION
+    assert "delta.logRetentionDuration" not in DeltaTable(offsets_path).metadata().configuration
+    DeltaTable(offsets_path).create_checkpoint()  # entries go only from behind an expired one
+    log_dir = os.path.join(offsets_path, "_delta_log")
+    two_days_ago = time.time() - 2 * DAY_MS / 1000
+    for name in os.listdir(log_dir):  # the log so far, as if written two days ago
+        os.utime(os.path.join(log_dir, name), (two_days_ago, two_days_ago))
+
+    maintain_consumer_tables(warehouse, int(clock.now * 1000))
+    offsets = DeltaTable(offsets_path)
+    configuration = offsets.metadata().configuration
+    assert {k: configuration.get(k) for k in CONSUMER_LOG_RETENTION} == CONSUMER_LOG_RETENTION
+    assert "00000000000000000000.json" not in os.listdir(log_dir)
+    assert committed(warehouse) == {0: 4}
+    deliver(warehouse, q0=range(4, 5))
+    assert ids(consumer.poll()) == [(0, 4)]
+    assert consumer.commit() == {0: 5}
+    assert committed(warehouse) == {0: 5}
+    consumer.close()
+    fresh = str(os.path.join(os.path.dirname(warehouse), "fresh"))
+    os.mkdir(fresh)
+    deliver(fresh, q0=range(1))
+    made_now = member(fresh, "a", Clock())
+    made_now.poll()
+    made_now.commit()
+    made_now.close()
+    configuration = DeltaTable(table_path(fresh, CONSUMER_OFFSETS)).metadata().configuration
+    assert {k: configuration.get(k) for k in CONSUMER_LOG_RETENTION} == CONSUMER_LOG_RETENTION
 
 
 def test_the_producers_maintenance_does_the_consumer_tables_too_and_keeps_corrupt_rows(warehouse):
