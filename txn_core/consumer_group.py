@@ -56,6 +56,7 @@ from txn_core import forks
 from txn_core.config import Config, ConfigError, absolute_warehouse, int_in_range
 from txn_core.delta_log import refresh
 from txn_core.errors import BrokerClosedError, MessageValidationError, PersistError, TxnError
+from txn_core.log_trim import trim_behind_newest
 from txn_core.message import QUEUE_ID_MAX, QUEUE_OFFSET_MAX, validate_topic
 from txn_core.storage import Storage, options_for, use
 from txn_core.tables import check_topic_table, open_existing, open_or_create
@@ -106,7 +107,8 @@ MEMBER_TIMEOUT_MAX_S = 86_400.0
 
 # The consumer tables are small and appended to by consumers only: no change
 # data feed (the producer tables' setting), just a checkpoint now and then.
-_CONSUMER_TABLE_CONFIG = {"delta.checkpointInterval": "100"}
+_CHECKPOINT_INTERVAL = 100
+_CONSUMER_TABLE_CONFIG = {"delta.checkpointInterval": str(_CHECKPOINT_INTERVAL)}
 # Appends a concurrent maintenance commit made fail, tried again (`_append`).
 _APPEND_ATTEMPTS = 10
 #: the log of a table a member commits to at every heartbeat or poll is kept
@@ -393,20 +395,28 @@ def _valid_topic(topic: object) -> str:
 def _append(table: DeltaTable, rows: pa.Table) -> None:
     """Append `rows` to a consumer table. delta-rs refuses an append that a
     concurrent delete or compaction (`maintain_consumer_tables`) overlaps;
-    nothing was committed then, so it appends again on the new version."""
+    nothing was committed then, so it appends again on the new version.
+
+    The commit of a checkpoint's version (delta-rs writes one every
+    `_CHECKPOINT_INTERVAL`) trims the log behind it (`trim_behind_newest`):
+    nobody reads these tables' history, and on a local disk delta-rs lists
+    the whole log at every commit, which a member makes at every poll."""
     for attempt in range(_APPEND_ATTEMPTS):
         refresh(table)
         try:
             write_deltalake(table, rows, mode="append")
-            return
         except CommitFailedError:
             if attempt == _APPEND_ATTEMPTS - 1:
                 raise
+            continue
         except (DeltaError, OSError) as exc:  # a full disk, no permission to write, ...
             raise PersistError(
                 f"could not write to {table.table_uri}: {exc} (a consumer group writes its "
                 "members and offsets into the warehouse: it needs write access there)"
             ) from exc
+        if table.version() % _CHECKPOINT_INTERVAL == 0:
+            trim_behind_newest(table)
+        return
 
 
 class Consumer:

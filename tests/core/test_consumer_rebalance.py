@@ -29,6 +29,8 @@ from txn_core import (
     CorruptMembershipError,
     PushConsumer,
     QueueNotAssignedError,
+    consumer_group,
+    log_trim,
 )
 from txn_core.consumer_group import (
     CONSUMER_LOG_RETENTION,
@@ -38,6 +40,7 @@ from txn_core.consumer_group import (
     read_committed_offsets,
 )
 from txn_core.maintenance import maintain, maintain_consumer_tables
+from txn_core.tables import open_or_create
 
 from factories import Clock, deliver
 
@@ -489,6 +492,38 @@ def test_consumer_tables_keep_a_day_of_log_and_maintenance_gives_older_tables_th
     made_now.close()
     configuration = DeltaTable(table_path(fresh, CONSUMER_OFFSETS)).metadata().configuration
     assert {k: configuration.get(k) for k in CONSUMER_LOG_RETENTION} == CONSUMER_LOG_RETENTION
+
+
+def test_commits_trim_the_offsets_log_behind_its_checkpoints(warehouse, monkeypatch):
+    """A member commits at every poll: the log of the offsets table stays a
+    checkpoint or two long, and a handle left behind the trim commits on.
+    (At a tenth of the real intervals, to take 35 commits, not 350.)"""
+    monkeypatch.setattr(consumer_group, "_CHECKPOINT_INTERVAL", 10)
+    monkeypatch.setattr(log_trim, "KEPT_ENTRIES", 10)
+    open_or_create(warehouse, CONSUMER_OFFSETS, configuration={"delta.checkpointInterval": "10"})
+    deliver(warehouse, q0=range(40))
+    clock = Clock()
+    other = Consumer(warehouse, "shipping", "ORDER", clock=clock)
+    other.poll(1)
+    assert other.commit() == {0: 1}  # its handle now stays at the table's first versions
+    busy = member(warehouse, "a", clock)
+    for _ in range(34):
+        busy.poll(1)
+        busy.commit()
+    log_dir = os.path.join(table_path(warehouse, CONSUMER_OFFSETS), "_delta_log")
+    names = os.listdir(log_dir)
+    versions = sorted(int(n[:20]) for n in names if n.endswith(".json"))
+    checkpoints = sorted(int(n[:20]) for n in names if n.endswith(".checkpoint.parquet"))
+    assert versions[-1] == 35
+    # trimmed at version 30, behind the newest checkpoint at least 10 versions back
+    assert versions[0] == checkpoints[0] and 10 < versions[0] <= 20
+    assert committed(warehouse) == {0: 34}
+
+    other.poll(2)
+    assert other.commit() == {0: 3}
+    assert read_committed_offsets(warehouse, "shipping", "ORDER") == {0: 3}
+    busy.close()
+    other.close()
 
 
 def test_the_producers_maintenance_does_the_consumer_tables_too_and_keeps_corrupt_rows(warehouse):
