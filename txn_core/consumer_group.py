@@ -397,10 +397,11 @@ def _append(table: DeltaTable, rows: pa.Table) -> None:
     concurrent delete or compaction (`maintain_consumer_tables`) overlaps;
     nothing was committed then, so it appends again on the new version.
 
-    The commit of a checkpoint's version (delta-rs writes one every
-    `_CHECKPOINT_INTERVAL`) trims the log behind it (`trim_behind_newest`):
-    nobody reads these tables' history, and on a local disk delta-rs lists
-    the whole log at every commit, which a member makes at every poll."""
+    The commit of every `_CHECKPOINT_INTERVAL`th version trims the log
+    behind the newest checkpoint at least `KEPT_ENTRIES` versions back
+    (`trim_behind_newest`): nobody reads these tables' history, and on a
+    local disk delta-rs lists the whole log at every commit, which a member
+    makes at every poll."""
     for attempt in range(_APPEND_ATTEMPTS):
         refresh(table)
         try:

@@ -1,0 +1,114 @@
+"""Benchmark of a consumer group's commits as its offsets table ages (a
+script printing figures, not a test).
+
+A member commits to `_sys/consumer_offsets` at every poll that moves an
+offset. On a local disk delta-rs lists a table's whole log at every commit,
+so the commit's cost follows the log's length. In one invocation, for each
+variant, a fresh warehouse with one topic of --commits messages and one
+member that polls one message and commits it, --commits times:
+
+  trimmed    as the consumer is: the commit of every hundredth version trims
+             the log behind a checkpoint (`txn_core.consumer_group._append`)
+  untrimmed  the same with the trim left out (the code before 2026-12-07):
+             the log keeps every entry
+
+Prints each variant's median commit time by block of --block commits and
+the log entries left at the end.
+
+    python scripts/bench_consumer_commits.py --commits 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from statistics import median
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _topic(warehouse: str, messages: int) -> None:
+    """One commit of `messages` rows in queue 0 of topic ORDER."""
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    from schemas import TOPIC, topic_path
+    from schemas.arrow import arrow_schema
+
+    rows = [
+        {
+            "queue_id": 0,
+            "queue_offset": n,
+            "msg_id": f"msg-{n}",
+            "transaction_id": f"tx-{n}",
+            "half_offset": n,
+            "producer_group": "bench",
+            "tags": None,
+            "keys": None,
+            "body": b"x" * 100,
+            "properties": [],
+            "born_ms": 1,
+            "commit_ms": 2,
+            "delivered_ms": 3,
+            "run_id": "run-1",
+        }
+        for n in range(messages)
+    ]
+    write_deltalake(
+        topic_path(warehouse, "ORDER"),
+        pa.Table.from_pylist(rows, schema=arrow_schema(TOPIC)),
+        mode="append",
+    )
+
+
+def _run(commits: int, block: int, trimmed: bool) -> tuple[list[float], int]:
+    """Median commit ms per block, and the offsets log's entries at the end."""
+    from schemas import CONSUMER_OFFSETS, HALF, table_path
+    from txn_core import Consumer, consumer_group
+    from txn_core.tables import open_or_create
+
+    root = tempfile.mkdtemp(prefix="bench-consumer-commits-")
+    interval = consumer_group._CHECKPOINT_INTERVAL
+    try:
+        if not trimmed:  # delta-rs still checkpoints every 100; no version trims
+            consumer_group._CHECKPOINT_INTERVAL = 2**62
+        open_or_create(root, HALF)  # a warehouse, as producers leave it
+        _topic(root, commits)
+        consumer = Consumer(root, "bench", "ORDER")
+        times: list[float] = []
+        for _ in range(commits):
+            if len(consumer.poll(1)) != 1:
+                raise SystemExit("bench_consumer_commits: a poll found no message")
+            started = time.perf_counter()
+            consumer.commit()
+            times.append((time.perf_counter() - started) * 1000)
+        consumer.close()
+        log_dir = os.path.join(table_path(root, CONSUMER_OFFSETS), "_delta_log")
+        entries = sum(1 for name in os.listdir(log_dir) if name.endswith(".json"))
+        blocks = [median(times[i : i + block]) for i in range(0, len(times), block)]
+        return blocks, entries
+    finally:
+        consumer_group._CHECKPOINT_INTERVAL = interval
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--commits", type=int, default=10_000, help="commits per variant")
+    p.add_argument("--block", type=int, default=1_000, help="commits per printed median")
+    args = p.parse_args(argv)
+    if args.commits < 1 or args.block < 1:
+        p.error("--commits and --block must be positive")
+    for name, trimmed in (("trimmed", True), ("untrimmed", False)):
+        blocks, entries = _run(args.commits, args.block, trimmed)
+        figures = ", ".join(f"{ms:.1f}" for ms in blocks)
+        print(f"{name:>9}: commit ms by block of {args.block}: {figures}", flush=True)
+        print(f"{name:>9}: offsets log entries at the end: {entries}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
