@@ -13,9 +13,11 @@ member that polls one message and commits it, --commits times:
              the log keeps every entry
 
 Prints each variant's median commit time by block of --block commits and
-the log entries left at the end.
+the log entries left at the end. With --maintain-every K, a third variant:
+trimmed, with `maintain_consumer_tables` run after every K commits (not
+timed), as docs/operating.md advises for a group that commits every second.
 
-    python scripts/bench_consumer_commits.py --commits 10000
+    python scripts/bench_consumer_commits.py --commits 1500 --maintain-every 250
 """
 
 from __future__ import annotations
@@ -65,10 +67,13 @@ def _topic(warehouse: str, messages: int) -> None:
     )
 
 
-def _run(commits: int, block: int, trimmed: bool) -> tuple[list[float], int]:
+def _run(
+    commits: int, block: int, trimmed: bool, maintain_every: int = 0
+) -> tuple[list[float], int]:
     """Median commit ms per block, and the offsets log's entries at the end."""
     from schemas import CONSUMER_OFFSETS, HALF, table_path
     from txn_core import Consumer, consumer_group
+    from txn_core.maintenance import maintain_consumer_tables
     from txn_core.tables import open_or_create
 
     root = tempfile.mkdtemp(prefix="bench-consumer-commits-")
@@ -80,7 +85,9 @@ def _run(commits: int, block: int, trimmed: bool) -> tuple[list[float], int]:
         _topic(root, commits)
         consumer = Consumer(root, "bench", "ORDER")
         times: list[float] = []
-        for _ in range(commits):
+        for n in range(commits):
+            if maintain_every and n and n % maintain_every == 0:
+                maintain_consumer_tables(root, int(time.time() * 1000))
             if len(consumer.poll(1)) != 1:
                 raise SystemExit("bench_consumer_commits: a poll found no message")
             started = time.perf_counter()
@@ -100,14 +107,20 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--commits", type=int, default=10_000, help="commits per variant")
     p.add_argument("--block", type=int, default=1_000, help="commits per printed median")
+    p.add_argument(
+        "--maintain-every", type=int, default=0, help="K: also the variant maintained every K"
+    )
     args = p.parse_args(argv)
-    if args.commits < 1 or args.block < 1:
-        p.error("--commits and --block must be positive")
-    for name, trimmed in (("trimmed", True), ("untrimmed", False)):
-        blocks, entries = _run(args.commits, args.block, trimmed)
+    if args.commits < 1 or args.block < 1 or args.maintain_every < 0:
+        p.error("--commits and --block must be positive, --maintain-every not negative")
+    variants = [("trimmed", True, 0), ("untrimmed", False, 0)]
+    if args.maintain_every:
+        variants.append(("maintained", True, args.maintain_every))
+    for name, trimmed, every in variants:
+        blocks, entries = _run(args.commits, args.block, trimmed, every)
         figures = ", ".join(f"{ms:.1f}" for ms in blocks)
-        print(f"{name:>9}: commit ms by block of {args.block}: {figures}", flush=True)
-        print(f"{name:>9}: offsets log entries at the end: {entries}", flush=True)
+        print(f"{name:>10}: commit ms by block of {args.block}: {figures}", flush=True)
+        print(f"{name:>10}: offsets log entries at the end: {entries}", flush=True)
 
 
 if __name__ == "__main__":
