@@ -65,6 +65,14 @@ def drain(consumer: Consumer) -> list[tuple[int, int]]:
     return seen
 
 
+def commit_one_by_one(consumer: Consumer, times: int, then=lambda: None) -> None:
+    """`times` rounds of polling one message and committing it, `then` after each."""
+    for _ in range(times):
+        consumer.poll(1)
+        consumer.commit()
+        then()
+
+
 def committed(warehouse: str) -> dict[int, int]:
     return read_committed_offsets(warehouse, GROUP, "ORDER")  # joins no group
 
@@ -460,9 +468,7 @@ def test_consumer_tables_keep_a_day_of_log_and_maintenance_gives_older_tables_th
     deliver(warehouse, q0=range(4))
     clock = Clock()
     consumer = member(warehouse, "a", clock)
-    for _ in range(4):
-        consumer.poll(1)
-        consumer.commit()
+    commit_one_by_one(consumer, 4)
     members = DeltaTable(table_path(warehouse, CONSUMER_MEMBERS)).metadata().configuration
     assert {k: members.get(k) for k in CONSUMER_LOG_RETENTION} == CONSUMER_LOG_RETENTION
     assert "delta.logRetentionDuration" not in DeltaTable(offsets_path).metadata().configuration
@@ -483,7 +489,7 @@ def test_consumer_tables_keep_a_day_of_log_and_maintenance_gives_older_tables_th
     assert consumer.commit() == {0: 5}
     assert committed(warehouse) == {0: 5}
     consumer.close()
-    fresh = str(os.path.join(os.path.dirname(warehouse), "fresh"))
+    fresh = os.path.join(os.path.dirname(warehouse), "fresh")
     os.mkdir(fresh)
     deliver(fresh, q0=range(1))
     made_now = member(fresh, "a", Clock())
@@ -507,9 +513,7 @@ def test_commits_trim_the_offsets_log_behind_its_checkpoints(warehouse, monkeypa
     other.poll(1)
     assert other.commit() == {0: 1}  # its handle now stays at the table's first versions
     busy = member(warehouse, "a", clock)
-    for _ in range(34):
-        busy.poll(1)
-        busy.commit()
+    commit_one_by_one(busy, 34)
     log_dir = os.path.join(table_path(warehouse, CONSUMER_OFFSETS), "_delta_log")
     names = os.listdir(log_dir)
     versions = sorted(int(n[:20]) for n in names if n.endswith(".json"))
@@ -539,10 +543,7 @@ def test_the_producers_maintenance_does_the_consumer_tables_too_and_keeps_corrup
     deliver(warehouse, q0=range(3))
     clock = Clock()
     consumer = member(warehouse, "a", clock)
-    for _ in range(3):
-        consumer.poll(1)
-        consumer.commit()
-        clock.advance(1)
+    commit_one_by_one(consumer, 3, then=lambda: clock.advance(1))
 
     with Broker.open(warehouse, config=Config(warehouse=warehouse)) as broker:
         report = maintain(broker, now_ms=int(clock.now * 1000))
