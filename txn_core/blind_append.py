@@ -84,7 +84,10 @@ def unsupported_reason(
         return "the table's schema differs from the rows'"
     for field in schema:
         if not (
-            _has_stats(field.type) or pa.types.is_binary(field.type) or pa.types.is_map(field.type)
+            _has_stats(field.type)
+            or pa.types.is_binary(field.type)
+            or pa.types.is_map(field.type)
+            or pa.types.is_list(field.type)
         ):
             return f"column {field.name!r} is {field.type}, whose statistics it does not write"
     return None
@@ -93,8 +96,10 @@ def unsupported_reason(
 def _has_stats(type_: pa.DataType) -> bool:
     """The column types whose statistics the appender writes as delta-rs does:
     null count, and min/max (full values) when there is a non-null value.
-    delta-rs writes none for binary and map columns."""
-    return bool(pa.types.is_integer(type_) or pa.types.is_string(type_))
+    delta-rs writes none for binary, map and list columns."""
+    return bool(
+        pa.types.is_integer(type_) or pa.types.is_string(type_) or pa.types.is_boolean(type_)
+    )
 
 
 class BlindAppender:
@@ -188,7 +193,9 @@ class BlindAppender:
         writes them. They must be complete: delta-rs' pyarrow dataset reads a
         missing min/max as a null bound and skips the file for any filter on
         that column."""
-        stats = file_stats(pq.read_metadata(pa.BufferReader(data)), self._with_stats)
+        stats = file_stats(
+            pq.read_metadata(pa.BufferReader(data)), self._with_stats, bool_bounds=True
+        )
         now_ms = time.time_ns() // 1_000_000
         commit_info = {
             "timestamp": now_ms,

@@ -53,8 +53,9 @@ from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundErr
 from schemas import CONSUMER_MEMBERS, CONSUMER_OFFSETS, DLQ, HALF, TOPIC, table_path, topic_path
 from schemas.arrow import arrow_schema
 from txn_core import forks
+from txn_core.blind_append import BlindAppender, TableChanged, unsupported_reason
 from txn_core.config import Config, ConfigError, absolute_warehouse, int_in_range
-from txn_core.delta_log import refresh
+from txn_core.delta_log import appended, refresh
 from txn_core.errors import BrokerClosedError, MessageValidationError, PersistError, TxnError
 from txn_core.log_trim import trim_behind_newest
 from txn_core.message import QUEUE_ID_MAX, QUEUE_OFFSET_MAX, validate_topic
@@ -392,16 +393,70 @@ def _valid_topic(topic: object) -> str:
         raise ConfigError(f"topic: {exc.problem}") from None
 
 
+class _AppendedTable:
+    """A consumer table and this process's appends to it: by hand
+    (`BlindAppender`, one parquet file and one log entry) where the
+    appender may write it, else through delta-rs (`_append`). A member
+    commits at every poll that moves an offset; a delta-rs append does work
+    in proportion to the table's files, which grow until maintenance, while
+    the appender's does not (docs/performance.md, "The consumer tables'
+    logs"). Its commits bypass delta-rs's post-commit hook, so it writes the
+    checkpoints they fall due at, and trims the log behind them."""
+
+    def __init__(
+        self, table: DeltaTable, schema: pa.Schema, storage_options: dict[str, str] | None
+    ):
+        self.table = table
+        self._appender: BlindAppender | None = None
+        reason = unsupported_reason(table, schema, storage_options)
+        if reason is None:
+            self._appender = BlindAppender(table, schema, storage_options=storage_options)
+        else:
+            _log.info("%s: appending through delta-rs (%s)", table.table_uri, reason)
+
+    def append(self, rows: pa.Table) -> None:
+        if self._appender is None:
+            _append(self.table, rows)
+            return
+        try:
+            version = self._appender.append(rows)
+        except TableChanged as exc:
+            _log.warning(
+                "%s: appending through delta-rs from now on (%s)", self.table.table_uri, exc
+            )
+            self._appender = None
+            _append(self.table, rows)
+            return
+        except Exception as exc:  # a full disk, no permission, the store's error
+            raise _persist_error(self.table, exc) from exc
+        appended(self.table, version)
+        if self._appender.checkpoint_due(version):
+            self._checkpoint()
+
+    def _checkpoint(self) -> None:
+        """A checkpoint at the table's newest version, and the log trimmed
+        behind the newest one at least `KEPT_ENTRIES` versions back: nobody
+        reads these tables' history. A failure is only logged: the rows are
+        committed, and the next checkpoint falls due a hundred commits on."""
+        try:
+            self.table.update_incremental()
+            self.table.create_checkpoint()
+        except Exception as exc:  # noqa: BLE001 - the appends go on without it
+            _log.warning("%s: writing a checkpoint failed (%s)", self.table.table_uri, exc)
+            return
+        trim_behind_newest(self.table)
+
+
 def _append(table: DeltaTable, rows: pa.Table) -> None:
-    """Append `rows` to a consumer table. delta-rs refuses an append that a
-    concurrent delete or compaction (`maintain_consumer_tables`) overlaps;
-    nothing was committed then, so it appends again on the new version.
+    """Append `rows` to a consumer table through delta-rs. delta-rs refuses an
+    append that a concurrent delete or compaction (`maintain_consumer_tables`)
+    overlaps; nothing was committed then, so it appends again on the new
+    version.
 
     The commit of every `_CHECKPOINT_INTERVAL`th version trims the log
     behind the newest checkpoint at least `KEPT_ENTRIES` versions back
-    (`trim_behind_newest`): nobody reads these tables' history, and on a
-    local disk delta-rs lists the whole log at every commit, which a member
-    makes at every poll."""
+    (`trim_behind_newest`): on a local disk delta-rs lists the whole log at
+    every commit."""
     for attempt in range(_APPEND_ATTEMPTS):
         refresh(table)
         try:
@@ -410,14 +465,18 @@ def _append(table: DeltaTable, rows: pa.Table) -> None:
             if attempt == _APPEND_ATTEMPTS - 1:
                 raise
             continue
-        except (DeltaError, OSError) as exc:  # a full disk, no permission to write, ...
-            raise PersistError(
-                f"could not write to {table.table_uri}: {exc} (a consumer group writes its "
-                "members and offsets into the warehouse: it needs write access there)"
-            ) from exc
+        except (DeltaError, OSError) as exc:
+            raise _persist_error(table, exc) from exc
         if table.version() % _CHECKPOINT_INTERVAL == 0:
             trim_behind_newest(table)
         return
+
+
+def _persist_error(table: DeltaTable, exc: BaseException) -> PersistError:
+    return PersistError(
+        f"could not write to {table.table_uri}: {exc} (a consumer group writes its "
+        "members and offsets into the warehouse: it needs write access there)"
+    )
 
 
 class Consumer:
@@ -490,8 +549,8 @@ class Consumer:
         self._on_revoke: Callable[[set[int]], None] | None = None
         self._last_turn = -1  # the queue whose message a poll handed out last
         self._topic_table: DeltaTable | None = None
-        self._offsets_table: DeltaTable | None = None
-        self._members_table: DeltaTable | None = None
+        self._offsets: _AppendedTable | None = None
+        self._members_table: _AppendedTable | None = None
         self._closed = False
 
     def __enter__(self) -> Consumer:
@@ -700,13 +759,16 @@ class Consumer:
         if self._on_revoke is not None:
             self._on_revoke(set(queues))
 
-    def _members_handle(self) -> DeltaTable:
+    def _members_handle(self) -> _AppendedTable:
         if self._members_table is None:
-            self._members_table = open_or_create(
+            table = open_or_create(
                 self.warehouse,
                 CONSUMER_MEMBERS,
                 configuration=_MEMBERS_TABLE_CONFIG,
                 storage_options=self._storage_options,
+            )
+            self._members_table = _AppendedTable(
+                table, arrow_schema(CONSUMER_MEMBERS), self._storage_options
             )
         return self._members_table
 
@@ -721,15 +783,14 @@ class Consumer:
             "leaving": leaving,
             "queues": queues,
         }
-        _append(
-            self._members_handle(),
-            pa.Table.from_pylist([row], schema=arrow_schema(CONSUMER_MEMBERS)),
+        self._members_handle().append(
+            pa.Table.from_pylist([row], schema=arrow_schema(CONSUMER_MEMBERS))
         )
 
     def _read_members(self, now_ms: int) -> dict[str, frozenset[int]]:
         """The other live members of the group on the topic and the queues each
         holds (its newest row, not leaving, not older than member_timeout_s)."""
-        table = self._members_handle()
+        table = self._members_handle().table
         refresh(table)
         heartbeat = pc.field("heartbeat_ms")
         # Files whose heartbeats are all older than the timeout are not opened
@@ -927,12 +988,15 @@ class Consumer:
         }
         if not moved:
             return {}
-        if self._offsets_table is None:
-            self._offsets_table = open_or_create(
+        if self._offsets is None:
+            table = open_or_create(
                 self.warehouse,
                 CONSUMER_OFFSETS,
                 configuration=_OFFSETS_TABLE_CONFIG,
                 storage_options=self._storage_options,
+            )
+            self._offsets = _AppendedTable(
+                table, arrow_schema(CONSUMER_OFFSETS), self._storage_options
             )
         now_ms = self._now_ms()
         # A row sorts after the one it supersedes even if this member's clock
@@ -951,9 +1015,7 @@ class Consumer:
             }
             for queue_id, next_offset in moved.items()
         ]
-        _append(
-            self._offsets_table, pa.Table.from_pylist(rows, schema=arrow_schema(CONSUMER_OFFSETS))
-        )
+        self._offsets.append(pa.Table.from_pylist(rows, schema=arrow_schema(CONSUMER_OFFSETS)))
         self._committed.update(moved)
         self._newest.update((q, (stamps[q], moved[q])) for q in moved)
         return moved
@@ -1077,7 +1139,7 @@ class PushConsumer:
         # Polled messages not finished yet, per queue, in offset order.
         self._buffers: dict[int, deque[ConsumedMessage]] = {}
         self._retries: dict[int, _Retry] = {}
-        self._dlq_table: DeltaTable | None = None
+        self._dlq_table: _AppendedTable | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -1220,11 +1282,15 @@ class PushConsumer:
     def _dead_letter(self, message: ConsumedMessage, retry: _Retry) -> None:
         if self._dlq_table is None:
             table = dataclasses.replace(DLQ, path=f"_sys/dlq/{self.group}")
-            self._dlq_table = open_or_create(
-                self.consumer.warehouse,
-                table,
-                configuration=_CONSUMER_TABLE_CONFIG,
-                storage_options=self.consumer._storage_options,
+            self._dlq_table = _AppendedTable(
+                open_or_create(
+                    self.consumer.warehouse,
+                    table,
+                    configuration=_CONSUMER_TABLE_CONFIG,
+                    storage_options=self.consumer._storage_options,
+                ),
+                arrow_schema(DLQ),
+                self.consumer._storage_options,
             )
         row = {
             "topic": message.topic,
@@ -1234,7 +1300,7 @@ class PushConsumer:
             "reason": retry.reason,
             "dead_ms": int(self._clock() * 1000),
         }
-        _append(self._dlq_table, pa.Table.from_pylist([row], schema=arrow_schema(DLQ)))
+        self._dlq_table.append(pa.Table.from_pylist([row], schema=arrow_schema(DLQ)))
         _log.warning(
             "push consumer %s: %s queue %d offset %d dead-lettered after %d retries: %s",
             self.group,

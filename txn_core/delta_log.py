@@ -281,11 +281,13 @@ def writer_duties(table: Any) -> str | None:
 
 
 def file_stats(
-    metadata: Any, indexed: list[str], string_prefix: int | None = None
+    metadata: Any, indexed: list[str], string_prefix: int | None = None, bool_bounds: bool = False
 ) -> dict[str, Any]:
     """Delta file statistics of a parquet file from its footer (pyarrow's
     `FileMetaData`): the row count, and for each indexed top-level column its
-    null count and, for integers and strings, min and max. With
+    null count and, for integers and strings (and booleans with
+    `bool_bounds`, as delta-rs writes them; Delta's Spark writer does not),
+    min and max. With
     `string_prefix` (Delta's writer keeps 32 characters) a string's min is
     cut to it, still a lower bound, and a longer max is left out, as it
     would no longer be an upper bound; delta-rs keeps whole values. A column
@@ -309,8 +311,10 @@ def file_stats(
         if any(s is None or not s.has_null_count for s in chunks):
             continue
         stats["nullCount"][column.path] = sum(s.null_count for s in chunks)
-        ordered = column.physical_type in ("INT32", "INT64") or (
-            column.physical_type == "BYTE_ARRAY" and str(column.logical_type) == "String"
+        ordered = (
+            column.physical_type in ("INT32", "INT64")
+            or (column.physical_type == "BYTE_ARRAY" and str(column.logical_type) == "String")
+            or (bool_bounds and column.physical_type == "BOOLEAN")
         )
         with_values = [s for s in chunks if s.num_values > 0]
         if not ordered or not with_values or not all(s.has_min_max for s in with_values):

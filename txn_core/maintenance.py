@@ -220,8 +220,8 @@ def maintain_consumer_tables(
     compact, checkpoint, clean the log of and vacuum both tables (a missing
     table is skipped). Safe beside running consumers: neither kind of row is
     read again by anyone (a live member heartbeats well within a day; the
-    newest offsets row of each queue stays), and a consumer's append that
-    one of these commits overlaps is made again (`consumer_group._append`).
+    newest offsets row of each queue stays), and a consumer's append moves
+    past them (`consumer_group._AppendedTable`).
     Adds to `report` if given.
     """
     report = MaintenanceReport() if report is None else report

@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from schemas import HALF, OP, table_path
+from schemas import CONSUMER_MEMBERS, HALF, OP, table_path
 from schemas.arrow import arrow_schema
 from txn_core import PersistError
 from txn_core.blind_append import (
@@ -88,6 +88,35 @@ def test_an_append_reads_back_as_if_delta_rs_had_written_it(tmp_path):
     assert found["half_offset"].to_pylist() == [3]
     feed = pa.table(ours.load_cdf(starting_version=1)).to_pylist()
     assert {(r["_change_type"], r["_commit_version"]) for r in feed} == {("insert", 1)}
+
+
+def test_boolean_and_list_columns_get_the_statistics_delta_rs_writes(tmp_path):
+    """A consumer group's heartbeat rows (a boolean and a list column):
+    min/max for the boolean, nothing for the list, as delta-rs writes them."""
+    ours = open_or_create(str(tmp_path / "ours"), CONSUMER_MEMBERS)
+    theirs = open_or_create(str(tmp_path / "theirs"), CONSUMER_MEMBERS)
+    rows = pa.Table.from_pylist(
+        [
+            {
+                "group": "g",
+                "topic": "T",
+                "member": m,
+                "heartbeat_ms": ms,
+                "leaving": gone,
+                "queues": q,
+            }
+            for m, ms, gone, q in (("a", 5, False, [0, 2]), ("b", 7, True, []))
+        ],
+        schema=arrow_schema(CONSUMER_MEMBERS),
+    )
+    assert unsupported_reason(ours, rows.schema) is None
+    BlindAppender(ours, rows.schema).append(rows)
+    write_deltalake(theirs, rows, mode="append")
+    [mine], [its] = add_actions(ours.table_uri[7:]), add_actions(theirs.table_uri[7:])
+    assert json.loads(mine["stats"]) == json.loads(its["stats"])
+    assert json.loads(mine["stats"])["maxValues"]["leaving"] is True
+    found = DeltaTable(ours.table_uri).to_pyarrow_dataset().to_table(filter=pc.field("leaving"))
+    assert found["queues"].to_pylist() == [[]]
 
 
 def test_appenders_and_delta_rs_writers_share_a_table(warehouse):

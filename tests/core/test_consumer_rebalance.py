@@ -7,6 +7,8 @@ objects with the ids "a", "b", "c" in one process (the rule sorts them)."""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import threading
 import time
@@ -27,11 +29,13 @@ from txn_core import (
     Consumer,
     ConsumeResult,
     CorruptMembershipError,
+    PersistError,
     PushConsumer,
     QueueNotAssignedError,
     consumer_group,
     log_trim,
 )
+from txn_core.blind_append import ENGINE_INFO, BlindAppender
 from txn_core.consumer_group import (
     CONSUMER_LOG_RETENTION,
     HEARTBEAT_INTERVAL_S,
@@ -530,6 +534,76 @@ def test_commits_trim_the_offsets_log_behind_its_checkpoints(warehouse, monkeypa
     other.close()
 
 
+def engines(table_dir: str) -> dict[int, str]:
+    """The engineInfo of each commit in the log of the table at `table_dir`."""
+    log_dir = os.path.join(table_dir, "_delta_log")
+    found = {}
+    for name in os.listdir(log_dir):
+        if name.endswith(".json"):
+            with open(os.path.join(log_dir, name)) as entry:
+                info = json.loads(entry.readline())["commitInfo"]
+            found[int(name[:20])] = info.get("engineInfo") or info.get("clientVersion", "")
+    return found
+
+
+def test_a_members_commits_are_appended_by_hand_with_the_checkpoints_they_fall_due_at(warehouse):
+    """An offsets or heartbeat row is one parquet file and one log entry
+    (txn_core.blind_append), whose cost does not grow with the table's
+    files; the commits bypass delta-rs's hook, so the member writes the
+    checkpoints. Another process's fresh handle reads them."""
+    offsets_dir = table_path(warehouse, CONSUMER_OFFSETS)
+    open_or_create(warehouse, CONSUMER_OFFSETS, configuration={"delta.checkpointInterval": "10"})
+    deliver(warehouse, q0=range(25))
+    clock = Clock()
+    consumer = member(warehouse, "a", clock)
+    commit_one_by_one(consumer, 25, then=lambda: clock.advance(HEARTBEAT_INTERVAL_S))
+    by_hand = {v: e for v, e in engines(offsets_dir).items() if v > 0}
+    assert len(by_hand) == 25 and set(by_hand.values()) == {ENGINE_INFO}
+    members = engines(table_path(warehouse, CONSUMER_MEMBERS))
+    assert len(members) > 20 and {e for v, e in members.items() if v > 0} == {ENGINE_INFO}
+    checkpoints = sorted(
+        int(n[:20])
+        for n in os.listdir(os.path.join(offsets_dir, "_delta_log"))
+        if n.endswith(".checkpoint.parquet")
+    )
+    assert checkpoints == [9, 19]
+    assert DeltaTable(offsets_dir).version() == 25
+    assert committed(warehouse) == {0: 25}
+    consumer.close()
+
+
+def test_a_consumer_table_the_appender_may_not_write_is_appended_to_by_delta_rs(warehouse):
+    offsets_dir = table_path(warehouse, CONSUMER_OFFSETS)
+    table = open_or_create(warehouse, CONSUMER_OFFSETS)
+    table.alter.add_constraint({"offset_ok": "next_offset >= 0"})  # a duty a blind append skips
+    deliver(warehouse, q0=range(3))
+    consumer = member(warehouse, "a", Clock())
+    commit_one_by_one(consumer, 3)
+    last = max(engines(offsets_dir).items())
+    assert last[0] == 4 and last[1] != ENGINE_INFO
+    assert committed(warehouse) == {0: 3}
+    consumer.close()
+
+
+def test_a_commit_the_store_refuses_is_a_persist_error_naming_the_table(warehouse, monkeypatch):
+    deliver(warehouse, q0=range(2))
+    consumer = member(warehouse, "a", Clock())
+    consumer.poll(1)
+    consumer.commit()
+
+    def full_disk(self, rows, user_metadata=None):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(BlindAppender, "append", full_disk)
+    consumer.poll(1)
+    with pytest.raises(PersistError, match="consumer_offsets.*No space left.*needs write access"):
+        consumer.commit()
+    monkeypatch.undo()
+    assert consumer.commit() == {0: 2}  # the offset polled is still to commit
+    assert committed(warehouse) == {0: 2}
+    consumer.close()
+
+
 def test_the_producers_maintenance_does_the_consumer_tables_too_and_keeps_corrupt_rows(warehouse):
     # a foreign writer's row with a null: maintenance leaves it to an operator
     schema = pa.schema([f.with_nullable(True) for f in arrow_schema(CONSUMER_OFFSETS)])
@@ -569,11 +643,33 @@ def test_an_append_a_concurrent_maintenance_commit_refused_is_made_again(warehou
         real(table, rows, **kwargs)
 
     monkeypatch.setattr(consumer_group, "write_deltalake", once_refused)
+    # the tables appended to through delta-rs, as those the appender may not write
+    monkeypatch.setattr(consumer_group, "unsupported_reason", lambda *args: "delta-rs's path")
     deliver(warehouse, q0=range(2))
     consumer = member(warehouse, "a", Clock())
     assert ids(consumer.poll()) == [(0, 0), (0, 1)]  # its join's row was refused once
     assert consumer.commit() == {0: 2}
     assert refused and committed(warehouse) == {0: 2}
+
+
+def test_appends_by_hand_move_past_the_versions_a_maintenance_pass_took(warehouse):
+    deliver(warehouse, q0=range(4))
+    clock = Clock()
+    consumer = member(warehouse, "a", clock)
+    commit_one_by_one(consumer, 3)
+    offsets_dir = table_path(warehouse, CONSUMER_OFFSETS)
+    before = DeltaTable(offsets_dir).version()
+    report = maintain_consumer_tables(warehouse, int(clock() * 1000))  # two superseded rows go
+    assert report.superseded_offset_rows == 2
+    taken = DeltaTable(offsets_dir).version()
+    assert taken > before  # the versions the member's appender would have put next
+
+    consumer.poll(1)
+    assert consumer.commit() == {0: 4}
+    assert max(engines(offsets_dir).items()) == (taken + 1, ENGINE_INFO)
+    assert committed(warehouse) == {0: 4}
+    assert DeltaTable(offsets_dir).to_pyarrow_table().num_rows == 2
+    consumer.close()
 
 
 # --- on S3 (MinIO on loopback) ---------------------------------------------------------
