@@ -550,7 +550,7 @@ def test_a_members_commits_are_appended_by_hand_with_the_checkpoints_they_fall_d
     """An offsets or heartbeat row is one parquet file and one log entry
     (txn_core.blind_append), whose cost does not grow with the table's
     files; the commits bypass delta-rs's hook, so the member writes the
-    checkpoints. Another process's fresh handle reads them."""
+    checkpoints. A fresh handle reads them."""
     offsets_dir = table_path(warehouse, CONSUMER_OFFSETS)
     open_or_create(warehouse, CONSUMER_OFFSETS, configuration={"delta.checkpointInterval": "10"})
     deliver(warehouse, q0=range(25))
