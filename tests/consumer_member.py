@@ -101,4 +101,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is committed and logged by now; the interpreter's teardown can
+    # abort in pyarrow's threads (docs/operating.md, "A process's exit code").
+    os._exit(code)

@@ -346,6 +346,8 @@ UNWRITABLE = textwrap.dedent(
             resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
         producer.send(Message(topic="ORDER", body=b"after"))
     print(json.dumps(seen))
+    sys.stdout.flush()
+    os._exit(0)  # the interpreter's teardown can abort in pyarrow's threads
     """
 )
 
