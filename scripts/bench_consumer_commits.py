@@ -16,9 +16,12 @@ commits it, --commits times:
 Prints each variant's median commit time by block of --block commits and
 the log entries left at the end. With --maintain-every K, a third variant:
 by hand, with `maintain_consumer_tables` run after every K commits (not
-timed), as docs/operating.md advises for a group that commits every second.
+timed). With --read-at N,M,…: after N, M, … commits by hand (no
+maintenance), how long `read_committed_offsets` takes, and a second
+member's join and first poll (what grows with the tables' files).
 
     python scripts/bench_consumer_commits.py --commits 1500 --maintain-every 250
+    python scripts/bench_consumer_commits.py --commits 0 --read-at 100,900,3600
 """
 
 from __future__ import annotations
@@ -104,6 +107,41 @@ def _run(
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _reads(points: list[int]) -> None:
+    """Prints the reads' times after each number of commits in `points`."""
+    from schemas import HALF
+    from txn_core import Consumer
+    from txn_core.consumer_group import read_committed_offsets
+    from txn_core.tables import open_or_create
+
+    root = tempfile.mkdtemp(prefix="bench-consumer-reads-")
+    try:
+        open_or_create(root, HALF)
+        _topic(root, max(points))
+        consumer, done = Consumer(root, "bench", "ORDER", member="committer"), 0
+        for point in points:
+            while done < point:
+                consumer.poll(1)
+                consumer.commit()
+                done += 1
+            started = time.perf_counter()
+            read_committed_offsets(root, "bench", "ORDER")
+            read_ms = (time.perf_counter() - started) * 1000
+            started = time.perf_counter()
+            joiner = Consumer(root, "bench", "ORDER", member=f"joiner-{point}")
+            joiner.poll(1)
+            join_ms = (time.perf_counter() - started) * 1000
+            joiner.close()
+            print(
+                f"after {point:>6} commits: read_committed_offsets {read_ms:7.1f} ms, "
+                f"a second member's join and first poll {join_ms:7.1f} ms",
+                flush=True,
+            )
+        consumer.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--commits", type=int, default=10_000, help="commits per variant")
@@ -111,9 +149,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--maintain-every", type=int, default=0, help="K: also the variant maintained every K"
     )
+    p.add_argument(
+        "--read-at", default="", help="N,M,…: time the reads after that many commits by hand"
+    )
     args = p.parse_args(argv)
-    if args.commits < 1 or args.block < 1 or args.maintain_every < 0:
-        p.error("--commits and --block must be positive, --maintain-every not negative")
+    if args.commits < 0 or args.block < 1 or args.maintain_every < 0:
+        p.error("--block must be positive, --commits and --maintain-every not negative")
+    try:
+        points = sorted({int(n) for n in args.read_at.split(",") if n.strip()})
+    except ValueError:
+        p.error(f"--read-at must be commit counts separated by commas, got {args.read_at!r}")
+    if any(n < 1 for n in points):
+        p.error(f"--read-at counts must be positive, got {args.read_at!r}")
+    if points:
+        _reads(points)
+    if not args.commits:
+        return
     variants = [("by hand", True, 0), ("delta-rs", False, 0)]
     if args.maintain_every:
         variants.append(("maintained", True, args.maintain_every))

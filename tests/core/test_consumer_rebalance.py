@@ -550,6 +550,30 @@ def engines(table_dir: str) -> dict[int, str]:
     return found
 
 
+def test_reading_the_members_leaves_out_the_files_of_expired_heartbeats(warehouse, monkeypatch):
+    deliver(warehouse, q0=range(2))
+    clock = Clock()
+    a = member(warehouse, "a", clock)
+    for _ in range(30):  # one heartbeat file each
+        a.commit()
+        clock.advance(HEARTBEAT_INTERVAL_S)
+    opened: list[int] = []
+    to_dataset = DeltaTable.to_pyarrow_dataset
+
+    def counted(self, *args, **kwargs):
+        dataset = to_dataset(self, *args, **kwargs)
+        if CONSUMER_MEMBERS.path in self.table_uri:
+            opened.append(len(dataset.files))
+        return dataset
+
+    monkeypatch.setattr(DeltaTable, "to_pyarrow_dataset", counted)
+    b = member(warehouse, "b", clock)
+    b.commit()  # joins: reads the members
+    assert b.members() == ["a", "b"]
+    # a's heartbeats within the timeout (its last at most 3 intervals back), not all 30
+    assert opened and max(opened) <= MEMBER_TIMEOUT_S / HEARTBEAT_INTERVAL_S + 1
+
+
 def test_a_members_commits_are_appended_by_hand_with_the_checkpoints_they_fall_due_at(warehouse):
     """An offsets or heartbeat row is one parquet file and one log entry
     (txn_core.blind_append), whose cost does not grow with the table's
