@@ -98,6 +98,24 @@ class S3Server(Running):
             return json.load(resp)
 
 
+@pytest.fixture
+def opened_files(monkeypatch) -> list[tuple[str, int]]:
+    """(table URI, number of files) of each pyarrow dataset delta-rs builds
+    during the test: which files a read chose to open."""
+    from deltalake import DeltaTable
+
+    opened: list[tuple[str, int]] = []
+    to_dataset = DeltaTable.to_pyarrow_dataset
+
+    def counted(self, *args, **kwargs):
+        dataset = to_dataset(self, *args, **kwargs)
+        opened.append((self.table_uri, len(dataset.files)))
+        return dataset
+
+    monkeypatch.setattr(DeltaTable, "to_pyarrow_dataset", counted)
+    return opened
+
+
 @pytest.fixture(scope="session")
 def s3():
     """An S3 server for the whole session (the test credentials above are in

@@ -2,14 +2,14 @@
 leave unopened.
 
 Every commit of a member adds a file, and until maintenance deletes the
-superseded rows a read that opened them all grew by about 1.5 ms a file
-(docs/performance.md). A group's offsets are the newest row per queue, so
-the reader opens the newest files first (`committed_ms >= cutoff`) and stops
-as soon as the log's statistics prove that every older file holds only
-valid rows, each for a queue it already has a strictly newer row of.
-Anything the statistics cannot prove (no statistics, nulls, a negative
-value, a tie) is read, so the result and the corrupt-row errors are those
-of reading every file.
+superseded rows a read that opened them all grew with them
+(docs/performance.md, "Reading only the consumer files that can matter").
+A group's offsets are the newest row per queue, so the reader opens the
+newest files first (`committed_ms >= cutoff`) and stops as soon as the
+log's statistics prove that every older file holds only valid rows, each
+for a queue it already has a strictly newer row of. Anything the
+statistics cannot prove (no statistics, nulls, a negative value, a tie) is
+read, so the result and the corrupt-row errors are those of reading every file.
 """
 
 from __future__ import annotations
