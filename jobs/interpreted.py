@@ -1,4 +1,4 @@
-"""Small runs evaluate their expressions interpreted, not compiled.
+"""Small runs (and audits of small warehouses) evaluate their expressions interpreted, not compiled.
 
 Over a few thousand rows compiled code does not pay: each new shape of a
 run's plans costs dozens of classes (Janino, then the JVM's JIT
@@ -12,7 +12,7 @@ between a big run and its lower bound").
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 from jobs.session import restore_settings
@@ -35,13 +35,25 @@ INTERPRETED = {
     "spark.sql.maxSinglePartitionBytes": str(2**63 - 1),
 }
 
+#: the settings while `verify` audits a small warehouse: interpreted, and
+#: each query planned once, in one partition. Its comparisons hold some forty
+#: exchanges; adaptive execution runs each as a Spark job of its own and plans
+#: the rest again after each (docs/performance.md, "A small warehouse's audit")
+SMALL_AUDIT = {
+    **INTERPRETED,
+    "spark.sql.shuffle.partitions": "1",
+    "spark.sql.adaptive.enabled": "false",
+}
+
 
 @contextmanager
-def interpreted_if_small(spark, rows: int | None) -> Iterator[bool]:
-    """Within: the session runs interpreted (`INTERPRETED`) if `rows`, a
-    run's estimate (None: unknown), is at most `INTERPRETED_MAX_ROWS`; yields
-    whether it does. The settings the session had are put back after, its
-    own (a notebook's) included.
+def interpreted_if_small(
+    spark, rows: int | None, settings: Mapping[str, str] = INTERPRETED
+) -> Iterator[bool]:
+    """Within: the session runs interpreted (`settings`: `INTERPRETED`, or
+    `SMALL_AUDIT`) if `rows`, a run's estimate (None: unknown), is at most
+    `INTERPRETED_MAX_ROWS`; yields whether it does. The settings the session
+    had are put back after, its own (a notebook's) included.
 
     >>> with interpreted_if_small(spark, 2_500) as interpreted:  # doctest: +SKIP
     ...     spark.range(2_500).selectExpr("id * 2").count()
@@ -49,12 +61,12 @@ def interpreted_if_small(spark, rows: int | None) -> Iterator[bool]:
     if rows is None or rows > INTERPRETED_MAX_ROWS:
         yield False
         return
-    before = {key: spark.conf.get(key, None) for key in INTERPRETED}
+    before = {key: spark.conf.get(key, None) for key in settings}
     try:
-        for key, value in INTERPRETED.items():
+        for key, value in settings.items():
             spark.conf.set(key, value)
     except Exception as exc:  # noqa: BLE001 - a session that refuses them runs compiled
-        log.info("running compiled: the session refused %s (%s)", sorted(INTERPRETED), exc)
+        log.info("running compiled: the session refused %s (%s)", sorted(settings), exc)
         restore_settings(spark, before)
         yield False
         return

@@ -262,22 +262,36 @@ def _predict_short(cfg: Config, now_ms: int | None) -> bool:
     return rows is not None and rows <= SHORT_LIVED_MAX_ROWS
 
 
+def _predict_small_audit(cfg: Config) -> bool:
+    """Whether `verify`'s JVM is started for a short life: the audit is a
+    small one (`jobs.verify.small_audit_ahead`). False when the tables cannot
+    tell, as for a run."""
+    from jobs.verify import small_audit_ahead
+
+    try:
+        return small_audit_ahead(cfg)
+    except Exception:  # noqa: BLE001 - the audit itself reports any real problem
+        return False
+
+
 def submit_java_options(argv: list[str]) -> str:
     """The driver JVM's options for `scripts/submit.sh argv`: those of a
     local session (`driver_java_options`), short-lived for a single run
-    predicted small (`_predict_short`), as `txn-reconcile run` starts it."""
+    predicted small (`_predict_short`) or a small audit
+    (`_predict_small_audit`), as `txn-reconcile` starts them."""
     try:
         # The job itself says what is wrong, and prints --help: nothing of it
         # may end up among the JVM's options.
         with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
             args = build_parser().parse_args(argv)
-        single = args.command == "run" and args.every is None and args.max_runs is None
-        short = single and _predict_short(
-            load_config(
-                args.conf, warehouse=args.warehouse, **{k: getattr(args, k) for k in _CONFIG_FLAGS}
-            ),
-            args.now_ms,
+        cfg = load_config(
+            args.conf, warehouse=args.warehouse, **{k: getattr(args, k) for k in _CONFIG_FLAGS}
         )
+        if args.command == "verify":
+            short = _predict_small_audit(cfg)
+        else:
+            single = args.command == "run" and args.every is None and args.max_runs is None
+            short = single and _predict_short(cfg, args.now_ms)
     except (SystemExit, ConfigError):
         short = False
     return driver_java_options(short_lived=short)
@@ -310,7 +324,7 @@ def _cmd_verify(args, cfg: Config) -> int:
     from jobs.verify import verify
 
     _require_warehouse(cfg)
-    report = verify(_spark(), cfg)
+    report = verify(_spark(short_lived=_predict_small_audit(cfg)), cfg)
     print(json.dumps(report.to_dict(), default=str), flush=True)
     print(report.render(), file=sys.stderr)
     return EXIT_OK if report.ok else EXIT_FAILURE

@@ -22,11 +22,15 @@ from dataclasses import dataclass, field
 from functools import reduce
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import DeltaTable
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from jobs import appends, inputs, job_tables
+from jobs import appends, inputs, interpreted, job_tables
 from jobs.held import Held
+from jobs.interpreted import SMALL_AUDIT, interpreted_if_small
 from jobs.local import local_frame
 from jobs.session import strict_reads, use_warehouse
 from jobs.tagged_writes import TABLES_OPENED_AT_ONCE
@@ -45,6 +49,7 @@ from schemas.tables import (
     TOPIC_DIRECTORY_ESCAPES,
 )
 from txn_core.config import as_config
+from txn_core.storage import options_for
 from txn_core.vocabulary import (
     CANCEL,
     SYSTEM_TOPIC_REGEX,
@@ -863,10 +868,36 @@ def verify(spark: SparkSession, config) -> VerifyReport:
     wh = use_warehouse(spark, as_config(config))
     held = Held()
     try:
-        with strict_reads(spark):
+        with strict_reads(spark), interpreted_if_small(spark, _raw_rows(wh), SMALL_AUDIT):
             return _audit(spark, wh, held.checkpoint)
     finally:
         held.release()
+
+
+def small_audit_ahead(config) -> bool:
+    """Whether `verify` of `config`'s warehouse will be a small audit
+    (`SMALL_AUDIT`), judged from the Delta logs alone before any JVM starts:
+    a process that runs one starts its JVM for a short life."""
+    cfg = as_config(config)
+    use_warehouse(None, cfg)
+    rows = _raw_rows(cfg.warehouse)
+    return rows is not None and rows <= interpreted.INTERPRETED_MAX_ROWS
+
+
+def _raw_rows(wh: str) -> int | None:
+    """The rows `_sys/half` and `_sys/op` hold, from their files' statistics
+    (None when a file has none): what sizes the audit's every comparison."""
+    total = 0
+    for path in (table_path(wh, HALF), table_path(wh, OP)):
+        if not job_tables.is_delta(path):
+            continue
+        files = pa.table(
+            DeltaTable(path, storage_options=options_for(path)).get_add_actions(flatten=True)
+        )
+        if "num_records" not in files.column_names or files["num_records"].null_count:
+            return None
+        total += int(pc.sum(files["num_records"]).as_py() or 0)
+    return total
 
 
 def _audit(spark: SparkSession, wh: str, keep: Callable[[DataFrame], DataFrame]) -> VerifyReport:

@@ -451,6 +451,21 @@ def test_a_single_run_predicted_small_gets_a_short_lived_jvm_and_a_big_one_the_d
     assert job.submit_java_options(["run", "--now-ms", "soon"]).endswith(LONG_RUN_GC)
 
 
+def test_verify_of_a_small_warehouse_gets_a_short_lived_jvm(warehouse, monkeypatch):
+    from jobs import interpreted
+    from jobs import reconcile as job
+    from jobs.session import LONG_RUN_GC, SHORT_LIVED_JVM
+
+    halves = [fx.half(store_ms=0) for _ in range(2)]
+    fx.write_halves(warehouse, *halves)
+    fx.write_ops(warehouse, fx.op(halves[0]))
+    verify = ["verify", "--warehouse", warehouse]
+    # three raw rows: a small audit (jobs.interpreted.SMALL_AUDIT), one a process runs once
+    assert job.submit_java_options(verify).endswith(SHORT_LIVED_JVM)
+    monkeypatch.setattr(interpreted, "INTERPRETED_MAX_ROWS", 2)
+    assert job.submit_java_options(verify).endswith(LONG_RUN_GC)
+
+
 def _versions(warehouse: str) -> dict[str, int]:
     out = {}
     for root, dirs, _ in os.walk(warehouse):

@@ -18,7 +18,7 @@ import shutil
 import pytest
 from deltalake import DeltaTable
 
-from schemas import DISCARD, HALF, PENDING, QUEUES, table_path, topic_path
+from schemas import DISCARD, HALF, OP, PENDING, QUEUES, table_path, topic_path
 
 import factories as fx
 
@@ -135,8 +135,12 @@ def _kinds_for(report, half_offset: int) -> set[str]:
     return {d["kind"] for d in report.differences if d["half_offset"] == half_offset}
 
 
-def test_untouched_warehouse_verifies_ok(spark, reconciled):
+def test_untouched_warehouse_verifies_ok(spark, reconciled, monkeypatch):
+    import jobs.verify as V
+
     wh, m = reconciled
+    # as a big warehouse is audited, with the session's own settings (the others: a small one's)
+    monkeypatch.setattr(V, "_raw_rows", lambda wh: None)
     report = _verify(spark, wh)
     assert report.ok, report.render()
     assert report.differences == []
@@ -166,6 +170,30 @@ def test_untouched_warehouse_verifies_ok(spark, reconciled):
         *(9015, 9013, 9009, 9011),
     ]
     assert [r["queue_offset"] for r in q0] == list(range(9))
+
+
+def test_a_small_warehouse_is_audited_planned_once_in_one_partition(spark, reconciled, monkeypatch):
+    import jobs.interpreted
+    import jobs.verify as V
+    from jobs.interpreted import SMALL_AUDIT
+
+    wh, _ = reconciled
+    raw = sum(DeltaTable(table_path(wh, t)).to_pyarrow_table().num_rows for t in (HALF, OP))
+    assert V._raw_rows(wh) == raw
+    assert V.small_audit_ahead(_config(wh))
+    session = {key: spark.conf.get(key, None) for key in SMALL_AUDIT}
+    seen = []
+
+    def audit(spark, wh, keep):  # what the audit runs with, not the audit
+        seen.append({key: spark.conf.get(key, None) for key in SMALL_AUDIT})
+
+    monkeypatch.setattr(V, "_audit", audit)
+    _verify(spark, wh)
+    monkeypatch.setattr(jobs.interpreted, "INTERPRETED_MAX_ROWS", raw - 1)
+    _verify(spark, wh)
+    assert not V.small_audit_ahead(_config(wh))
+    assert seen == [SMALL_AUDIT, session]
+    assert {key: spark.conf.get(key, None) for key in SMALL_AUDIT} == session
 
 
 def test_outputs_of_an_unfinished_run_are_not_judged(spark, copy, monkeypatch):
