@@ -51,7 +51,7 @@ def interpreted_if_small(
     spark, rows: int | None, settings: Mapping[str, str] = INTERPRETED
 ) -> Iterator[bool]:
     """Within: the session runs interpreted (`settings`: `INTERPRETED`, or
-    `SMALL_AUDIT`) if `rows`, a run's estimate (None: unknown), is at most
+    `SMALL_AUDIT`) if `rows`, a run's or an audit's estimate (None: unknown), is at most
     `INTERPRETED_MAX_ROWS`; yields whether it does. The settings the session
     had are put back after, its own (a notebook's) included.
 

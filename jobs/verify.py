@@ -886,14 +886,17 @@ def small_audit_ahead(config) -> bool:
 
 def _raw_rows(wh: str) -> int | None:
     """The rows `_sys/half` and `_sys/op` hold, from their files' statistics
-    (None when a file has none): what sizes the audit's every comparison."""
+    (None when a file has none, or a log cannot be read: the audit itself
+    then says what is wrong): what sizes the audit's every comparison."""
     total = 0
     for path in (table_path(wh, HALF), table_path(wh, OP)):
         if not job_tables.is_delta(path):
             continue
-        files = pa.table(
-            DeltaTable(path, storage_options=options_for(path)).get_add_actions(flatten=True)
-        )
+        try:
+            table = DeltaTable(path, storage_options=options_for(path))
+            files = pa.table(table.get_add_actions(flatten=True))
+        except Exception:  # noqa: BLE001 - a prediction, as `jobs.run.rows_ahead`
+            return None
         if "num_records" not in files.column_names or files["num_records"].null_count:
             return None
         total += int(pc.sum(files["num_records"]).as_py() or 0)

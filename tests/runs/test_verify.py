@@ -196,6 +196,15 @@ def test_a_small_warehouse_is_audited_planned_once_in_one_partition(spark, recon
     assert {key: spark.conf.get(key, None) for key in SMALL_AUDIT} == session
 
 
+def test_an_unreadable_log_leaves_the_audits_size_unknown(tmp_path):
+    import jobs.verify as V
+
+    log = tmp_path / "_sys" / "half" / "_delta_log"
+    log.mkdir(parents=True)
+    (log / "00000000000000000000.json").write_text("not json\n")
+    assert V._raw_rows(str(tmp_path)) is None  # the audit then runs as for a big one, and says why
+
+
 def test_outputs_of_an_unfinished_run_are_not_judged(spark, copy, monkeypatch):
     """A run killed after its first write leaves rows the next run completes;
     until then verify judges the last committed run and says so."""
