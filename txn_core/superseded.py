@@ -74,7 +74,8 @@ def _may_hold(f: dict[str, Any], column: str, value: str) -> bool:
 
 def _valid(f: dict[str, Any]) -> bool:
     """Whether the statistics prove every row's queue_id, next_offset and
-    committed_ms set and not negative (as the reader requires)."""
+    committed_ms set, and its queue_id and next_offset not negative (as the
+    reader requires)."""
     for column in ("queue_id", "next_offset", "committed_ms"):
         if f.get(f"null_count.{column}") != 0 or None in (
             f.get(f"min.{column}"),
