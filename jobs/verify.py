@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import reduce
 from typing import Any
 
 import pyarrow as pa
@@ -31,6 +30,7 @@ from pyspark.sql import functions as F
 from jobs import appends, inputs, interpreted, job_tables
 from jobs.held import Held
 from jobs.interpreted import SMALL_AUDIT, interpreted_if_small
+from jobs.jvm_calls import select_expr
 from jobs.local import local_frame
 from jobs.session import strict_reads, use_warehouse
 from jobs.tagged_writes import TABLES_OPENED_AT_ONCE
@@ -227,7 +227,10 @@ def _newer_rows(spark: SparkSession, path: str, judged_rows: int) -> int:
     """Rows added after the judged version (halves the job has legitimately not read)."""
     if not job_tables.is_delta(path):
         return 0
-    return max(spark.read.format("delta").load(path).count() - judged_rows, 0)
+    rows = _rows_in(path)
+    if rows is None:  # files without statistics: count them
+        rows = spark.read.format("delta").load(path).count()
+    return max(rows - judged_rows, 0)
 
 
 def _topics(spark: SparkSession, warehouse: str) -> list[str]:
@@ -246,7 +249,9 @@ def _committed_runs(spark: SparkSession, warehouse: str):
     path = table_path(warehouse, RUNS)
     if not job_tables.is_delta(path):
         return [], None
-    rows = [r.asDict(recursive=True) for r in spark.read.format("delta").load(path).collect()]
+    # delta-rs: a few hundred rows, which Spark's Delta reader takes a second to plan and read.
+    table = DeltaTable(path, storage_options=options_for(path))
+    rows = table.to_pyarrow_table().to_pylist(maps_as_pydicts="strict")
     by_number: dict[int, dict] = {}
     for row in rows:
         seen = by_number.get(row["run_number"])
@@ -272,95 +277,92 @@ def _rules(run: dict) -> dict:
 
 
 # --- helpers ---------------------------------------------------------------
+# The comparisons are SQL text, each table's checks in one select: built
+# with `F`, every column, literal and cast is a call into the JVM, and those
+# calls were most of a small audit's driver time (docs/performance.md).
 
 
-def _canon(col: str, name: str) -> F.Column:
+def _lit(text: str) -> str:
+    """`text` as a SQL string literal."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _canon(col: str, name: str) -> str:
     """A comparable form of a column: maps become sorted entry arrays
     (Spark cannot compare maps), everything else stays as it is."""
     if name == "properties":
-        return F.array_sort(F.map_entries(F.col(col)))
-    return F.col(col)
+        return f"array_sort(map_entries(`{col}`))"
+    return f"`{col}`"
 
 
-def _show(col: str, name: str) -> F.Column:
+def _show(col: str, name: str) -> str:
     if name == "properties":
-        return F.to_json(F.col(col))
-    return F.col(col).cast("string")
-
-
-def _text(v) -> F.Column:
-    return v if isinstance(v, F.Column) else F.lit(v).cast("string")
+        return f"to_json(`{col}`)"
+    return f"CAST(`{col}` AS STRING)"
 
 
 def _check(
-    when: F.Column, kind: str, table, expected, found, transaction_id: str = "transaction_id"
-) -> F.Column:
-    """One difference, as a struct, for the rows where `when` holds (null elsewhere)."""
-    return F.when(
-        when,
-        F.struct(
-            F.lit(kind).alias("kind"),
-            _text(table).alias("table"),
-            F.col("half_offset").cast("bigint").alias("half_offset"),
-            F.col(transaction_id).cast("string").alias("transaction_id"),
-            _text(expected).alias("expected"),
-            _text(found).alias("found"),
-        ),
+    when: str, kind: str, table: str, expected: str, found: str, transaction_id="transaction_id"
+) -> str:
+    """One difference, as a struct, for the rows where `when` holds (null
+    elsewhere). `table`, `expected` and `found` are SQL expressions of strings."""
+    return (
+        f"CASE WHEN {when} THEN named_struct('kind', {_lit(kind)}, 'table', {table}, "
+        f"'half_offset', CAST(half_offset AS BIGINT), "
+        f"'transaction_id', CAST({transaction_id} AS STRING), "
+        f"'expected', {expected}, 'found', {found}) END"
     )
 
 
-def _differences(df: DataFrame, *checks: F.Column) -> DataFrame:
+def _differences(df: DataFrame, *checks: str) -> DataFrame:
     """The differences `checks` find in the rows of `df`: several checks
     over one join, so that each table is joined with the expectation once."""
-    return df.select(F.explode(F.array_compact(F.array(*checks))).alias("d")).select("d.*")
+    found = f"explode(array_compact(array({', '.join(checks)}))) AS d"
+    return select_expr(df, [found]).select("d.*")
 
 
-def _diff(df: DataFrame, kind: str, table, expected, found) -> DataFrame:
-    return _differences(df, _check(F.lit(True), kind, table, expected, found))
+def _diff(df: DataFrame, kind: str, table: str, expected: str, found: str) -> DataFrame:
+    return _differences(df, _check("true", kind, table, expected, found))
 
 
 def _found(rows: DataFrame) -> DataFrame:
     """A table's rows, every column but half_offset prefixed `f_`, to sit beside
     the expected message after a join (`f_row` is null where there is none)."""
-    return rows.select(
-        "half_offset",
-        F.lit(True).alias("f_row"),
-        *[F.col(c).alias(f"f_{c}") for c in rows.columns if c != "half_offset"],
+    return select_expr(
+        rows,
+        [
+            "half_offset",
+            "true AS f_row",
+            *[f"`{c}` AS `f_{c}`" for c in rows.columns if c != "half_offset"],
+        ],
     )
 
 
-def _content_check(when: F.Column, table, columns=CONTENT) -> F.Column:
+def _content_check(when: str, table: str, columns=CONTENT) -> str:
     """The row (`f_` columns) does not carry its message's content unchanged;
     names the columns that differ, with both values."""
-    differs = {c: ~_canon(c, c).eqNullSafe(_canon(f"f_{c}", c)) for c in columns}
+    differs = {c: f"NOT ({_canon(c, c)} <=> {_canon(f'f_{c}', c)})" for c in columns}
 
-    def describe(prefix):
+    def describe(prefix: str) -> str:
         # concat_ws skips the nulls: the columns that are equal
-        return F.concat_ws(
-            "; ",
-            *[
-                F.when(
-                    differs[c],
-                    F.concat(F.lit(f"{c}="), F.coalesce(_show(f"{prefix}{c}", c), F.lit("null"))),
-                )
-                for c in columns
-            ],
+        shown = (
+            f"CASE WHEN {differs[c]} THEN "
+            f"concat('{c}=', coalesce({_show(prefix + c, c)}, 'null')) END"
+            for c in columns
         )
+        return f"concat_ws('; ', {', '.join(shown)})"
 
-    any_differs = reduce(lambda a, b: a | b, differs.values())
-    return _check(when & any_differs, "content_mismatch", table, describe(""), describe("f_"))
+    any_differs = " OR ".join(differs.values())
+    return _check(
+        f"({when}) AND ({any_differs})", "content_mismatch", table, describe(""), describe("f_")
+    )
 
 
-def _op_text(action: str, source: str, op_offset: str, version: str) -> F.Column:
+def _op_text(action: str, source: str, op_offset: str, version: str) -> str:
     """An OP as a difference shows it: "COMMIT PRODUCER op_offset 7 version 3"."""
-    return F.concat_ws(
-        " ",
-        F.col(action),
-        F.col(source),
-        F.lit("op_offset"),
-        F.col(op_offset).cast("string"),
-        F.lit("version"),
-        F.col(version).cast("string"),
+    return (
+        f"concat_ws(' ', {action}, {source}, 'op_offset', CAST({op_offset} AS STRING), "
+        f"'version', CAST({version} AS STRING))"
     )
 
 
@@ -369,24 +371,16 @@ def _duplicates(rows: DataFrame, kind: str, table: str) -> DataFrame:
         F.count("*").alias("n"), F.first("transaction_id").alias("transaction_id")
     )
     return _diff(
-        per_msg.where("n > 1"),
-        kind,
-        table,
-        "1 row",
-        F.concat(F.col("n").cast("string"), F.lit(" rows")),
+        per_msg.where("n > 1"), kind, _lit(table), "'1 row'", "concat(CAST(n AS STRING), ' rows')"
     )
 
 
-def _fate_text() -> F.Column:
-    return F.concat(
-        F.lit("no row (message "),
-        F.coalesce(F.col("fate"), F.lit("not judged or unknown")),
-        F.lit(")"),
-    )
+def _fate_text() -> str:
+    return "concat('no row (message ', coalesce(fate, 'not judged or unknown'), ')')"
 
 
-def _is(*fates: str) -> F.Column:
-    return F.coalesce(F.col("fate").isin(*fates), F.lit(False))
+def _is(*fates: str) -> str:
+    return f"coalesce(fate IN ({', '.join(_lit(f) for f in fates)}), false)"
 
 
 # --- the audit of each output table ------------------------------------------
@@ -400,9 +394,9 @@ def _topic_differences(delivered_rows: DataFrame, expected: DataFrame) -> list[D
     """Real topics (I3): exactly one row per delivered message, nowhere else,
     with its content, commit order and commit time; queues dense from 0."""
     t = expected.join(_found(delivered_rows), "half_offset", "full")
-    row, delivered = F.col("f_row").isNotNull(), _is(DELIVERED)
-    found_in = F.concat(F.lit("topics/"), F.col("f_found_topic"))
-    both = row & delivered
+    row, delivered = "f_row IS NOT NULL", _is(DELIVERED)
+    found_in = "concat('topics/', f_found_topic)"
+    both = f"{row} AND {delivered}"
     # Dense from 0 without duplicates, whatever the expectation says.
     q = Window.partitionBy("found_topic", "queue_id").orderBy("queue_offset", "half_offset")
     dense = delivered_rows.withColumn("_rank", F.row_number().over(q) - 1)
@@ -410,36 +404,36 @@ def _topic_differences(delivered_rows: DataFrame, expected: DataFrame) -> list[D
         _differences(
             t,
             _check(
-                delivered & ~row,
+                f"{delivered} AND NOT ({row})",
                 "missing_delivery",
-                F.concat(F.lit("topics/"), F.col("topic")),
-                "1 row",
-                "none",
+                "concat('topics/', topic)",
+                "'1 row'",
+                "'none'",
             ),
             _check(
-                row & _is(CANCELLED_FATE),
+                f"{row} AND {_is(CANCELLED_FATE)}",
                 "delivered_cancelled",
                 found_in,
-                "no row (delivery cancelled)",
-                "a delivered row",
+                "'no row (delivery cancelled)'",
+                "'a delivered row'",
                 transaction_id="f_transaction_id",
             ),
             _check(
-                row & ~delivered & ~_is(CANCELLED_FATE),
+                f"{row} AND NOT {delivered} AND NOT {_is(CANCELLED_FATE)}",
                 "unexpected_delivery",
                 found_in,
                 _fate_text(),
-                "a delivered row",
+                "'a delivered row'",
                 transaction_id="f_transaction_id",
             ),
-            _content_check(both, "topics"),
+            _content_check(both, "'topics'"),
             *[
                 _check(
-                    both & (F.col(found) != F.col(wanted)),
+                    f"{both} AND ({found} != {wanted})",
                     kind,
                     found_in,
-                    F.col(wanted).cast("string"),
-                    F.col(found).cast("string"),
+                    f"CAST({wanted} AS STRING)",
+                    f"CAST({found} AS STRING)",
                     transaction_id="f_transaction_id",
                 )
                 for kind, wanted, found in (
@@ -452,26 +446,21 @@ def _topic_differences(delivered_rows: DataFrame, expected: DataFrame) -> list[D
         _differences(
             t,
             _check(
-                both & (F.col("f_delivered_ms") < F.col("w_due")),
+                f"{both} AND (f_delivered_ms < w_due)",
                 "delivered_early",
                 found_in,
-                F.concat(F.lit("at or after "), F.col("w_due").cast("string")),
-                F.col("f_delivered_ms").cast("string"),
+                "concat('at or after ', CAST(w_due AS STRING))",
+                "CAST(f_delivered_ms AS STRING)",
                 transaction_id="f_transaction_id",
             ),
         ),
         _duplicates(delivered_rows, "duplicate_delivery", "topics"),
         _diff(
-            dense.where(F.col("queue_offset") != F.col("_rank")),
+            dense.where("queue_offset != _rank"),
             "queue_offset_not_dense",
-            F.concat(
-                F.lit("topics/"),
-                F.col("found_topic"),
-                F.lit(" queue "),
-                F.col("queue_id").cast("string"),
-            ),
-            F.col("_rank").cast("string"),
-            F.col("queue_offset").cast("string"),
+            "concat('topics/', found_topic, ' queue ', CAST(queue_id AS STRING))",
+            "CAST(_rank AS STRING)",
+            "CAST(queue_offset AS STRING)",
         ),
     ]
 
@@ -479,20 +468,25 @@ def _topic_differences(delivered_rows: DataFrame, expected: DataFrame) -> list[D
 def _pending_differences(pending: DataFrame, expected: DataFrame) -> list[DataFrame]:
     """Pending: exactly the undecided, undiscarded judged halves, unchanged."""
     p = expected.join(_found(pending), "half_offset", "full")
-    row, waiting = F.col("f_row").isNotNull(), _is(PENDING_FATE)
+    row, waiting = "f_row IS NOT NULL", _is(PENDING_FATE)
+    table = _lit(PENDING.path)
     return [
         _differences(
             p,
-            _check(waiting & ~row, "missing_pending", PENDING.path, "a pending row", "none"),
             _check(
-                row & ~waiting,
+                f"{waiting} AND NOT ({row})", "missing_pending", table, "'a pending row'", "'none'"
+            ),
+            _check(
+                f"{row} AND NOT {waiting}",
                 "unexpected_pending",
-                PENDING.path,
+                table,
                 _fate_text(),
-                "a pending row",
+                "'a pending row'",
                 transaction_id="f_transaction_id",
             ),
-            _content_check(row & waiting, PENDING.path, CONTENT + ("store_ms", "check_immunity_s")),
+            _content_check(
+                f"{row} AND {waiting}", table, CONTENT + ("store_ms", "check_immunity_s")
+            ),
         ),
         _duplicates(pending, "duplicate_pending", PENDING.path),
     ]
@@ -503,41 +497,37 @@ def _resolved_differences(resolved: DataFrame, expected: DataFrame) -> list[Data
     r = expected.join(_found(resolved), "half_offset", "full")
     # a transactional message committed and scheduled is decided already
     # (as is one whose delivery was cancelled)
-    transactional = ~F.coalesce(F.col("plain"), F.lit(True))
-    scheduled_commit = _is(SCHEDULED_FATE, CANCELLED_FATE) & transactional
-    row, decided = F.col("f_row").isNotNull(), _is(DELIVERED, ROLLED_BACK) | scheduled_commit
+    transactional = "NOT coalesce(plain, true)"
+    scheduled_commit = f"({_is(SCHEDULED_FATE, CANCELLED_FATE)} AND {transactional})"
+    row = "f_row IS NOT NULL"
+    decided = f"({_is(DELIVERED, ROLLED_BACK)} OR {scheduled_commit})"
     differs = (
-        (F.col("f_action") != F.col("w_action"))
-        | (F.col("f_op_offset") != F.col("w_op_offset"))
-        | (F.col("f_source") != F.col("w_source"))
-        | ((F.col("f_op_version") != F.col("w_cv")) & F.col("w_dated"))
+        "((f_action != w_action) OR (f_op_offset != w_op_offset) OR (f_source != w_source)"
+        " OR ((f_op_version != w_cv) AND w_dated))"
     )
+    table = _lit(RESOLVED.path)
     return [
         _differences(
             r,
             _check(
-                decided & ~row,
+                f"{decided} AND NOT ({row})",
                 "missing_resolved",
-                RESOLVED.path,
-                F.concat(
-                    F.col("w_action"), F.lit(" by op_offset "), F.col("w_op_offset").cast("string")
-                ),
-                "none",
+                table,
+                "concat(w_action, ' by op_offset ', CAST(w_op_offset AS STRING))",
+                "'none'",
             ),
             _check(
-                row & ~decided,
+                f"{row} AND NOT {decided}",
                 "unexpected_resolved",
-                RESOLVED.path,
-                "no row",
-                F.concat(
-                    F.col("f_action"), F.lit(" by op_offset "), F.col("f_op_offset").cast("string")
-                ),
+                table,
+                "'no row'",
+                "concat(f_action, ' by op_offset ', CAST(f_op_offset AS STRING))",
                 transaction_id="f_transaction_id",
             ),
             _check(
-                row & decided & differs,
+                f"{row} AND {decided} AND {differs}",
                 "resolved_mismatch",
-                RESOLVED.path,
+                table,
                 _op_text("w_action", "w_source", "w_op_offset", "w_cv"),
                 _op_text("f_action", "f_source", "f_op_offset", "f_op_version"),
             ),
@@ -553,95 +543,75 @@ def _discard_differences(
     messages, each following the rule it names at the clock of its run
     (EXPIRED: older than reserved_hours; MAX_CHECKS: as many checks as
     check_max), and carrying its message unchanged."""
-    unknown_run = F.col("run_number").isNull()
+    unknown_run = "run_number IS NULL"
     n_requests = requests.groupBy("half_offset").agg(F.count("*").alias("n_requests"))
     d = (
-        _found(discard_dated.where(~unknown_run))
+        _found(discard_dated.where(f"NOT ({unknown_run})"))
         .join(expected.withColumn("e_row", F.lit(True)), "half_offset", "left")
         .join(n_requests, "half_offset", "left")
     )
-    judged = F.col("e_row").isNotNull()
-    age = F.greatest(F.col("f_run_now_ms") - F.col("store_ms"), F.lit(0))
-    requests_n = F.coalesce(F.col("n_requests"), F.lit(0))
+    judged = "e_row IS NOT NULL"
+    age = "greatest(f_run_now_ms - store_ms, 0)"
+    requests_n = "coalesce(n_requests, 0)"
     bad_expired = (
-        (F.col("f_reason") == Decision.EXPIRED)
-        & F.col("f_reserved_ms").isNotNull()
-        & (age <= F.col("f_reserved_ms"))
+        f"(f_reason = {_lit(Decision.EXPIRED)} AND f_reserved_ms IS NOT NULL"
+        f" AND {age} <= f_reserved_ms)"
     )
     bad_max = (
-        (F.col("f_reason") == Decision.MAX_CHECKS)
-        & F.col("f_check_max").isNotNull()
-        & (
-            (F.col("f_check_times") != requests_n)
-            | (
-                (F.col("f_check_budget") == "sent")
-                & (F.col("f_check_times") != F.col("f_check_max"))
-            )
-            | (F.col("f_check_times") < F.col("f_check_max"))
-        )
+        f"(f_reason = {_lit(Decision.MAX_CHECKS)} AND f_check_max IS NOT NULL AND ("
+        f"f_check_times != {requests_n}"
+        f" OR (f_check_budget = 'sent' AND f_check_times != f_check_max)"
+        f" OR f_check_times < f_check_max))"
     )
-    bad_reason = ~F.col("f_reason").isin(Decision.EXPIRED, Decision.MAX_CHECKS)
+    bad_reason = f"NOT (f_reason IN ({_lit(Decision.EXPIRED)}, {_lit(Decision.MAX_CHECKS)}))"
+    table = _lit(DISCARD.path)
     return [
         _diff(
             discard_dated.where(unknown_run),
             "discard_by_unknown_run",
-            DISCARD.path,
-            "run_id of a committed run",
-            F.col("run_id"),
+            table,
+            "'run_id of a committed run'",
+            "run_id",
         ),
         _diff(
             per_half_discard.where("n_discards > 1").withColumnRenamed("d_txn", "transaction_id"),
             "duplicate_discard",
-            DISCARD.path,
-            "at most 1 discard row",
-            F.concat(F.col("n_discards").cast("string"), F.lit(" rows")),
+            table,
+            "'at most 1 discard row'",
+            "concat(CAST(n_discards AS STRING), ' rows')",
         ),
         # A discard the run could not have made: the message was already decided.
         _diff(
-            expected.where(
-                F.col("w_before_discard")
-                | ((F.col("bad_half") | F.col("plain")) & (F.col("n_discards") > 0))
-            ),
+            expected.where("w_before_discard OR ((bad_half OR plain) AND n_discards > 0)"),
             "discard_of_decided_message",
-            DISCARD.path,
-            F.concat(
-                F.lit("no discard; decided by op_offset "),
-                F.coalesce(F.col("w_op_offset").cast("string"), F.lit("(rejected half)")),
-            ),
-            F.lit("a discard row"),
+            table,
+            "concat('no discard; decided by op_offset ', "
+            "coalesce(CAST(w_op_offset AS STRING), '(rejected half)'))",
+            "'a discard row'",
         ),
         _differences(
             d,
             _check(
-                ~judged,
+                f"NOT ({judged})",
                 "discard_without_half",
-                DISCARD.path,
-                "a judged half row",
-                "none",
+                table,
+                "'a judged half row'",
+                "'none'",
                 transaction_id="f_transaction_id",
             ),
             _check(
-                judged & (bad_expired | bad_max | bad_reason),
+                f"{judged} AND ({bad_expired} OR {bad_max} OR {bad_reason})",
                 "discard_rule_violated",
-                DISCARD.path,
-                F.concat(
-                    F.lit("EXPIRED: age > "),
-                    F.col("f_reserved_ms").cast("string"),
-                    F.lit(" ms; MAX_CHECKS: check_times = requests >= check_max = "),
-                    F.col("f_check_max").cast("string"),
-                ),
-                F.concat(
-                    F.col("f_reason"),
-                    F.lit(" age="),
-                    age.cast("string"),
-                    F.lit(" check_times="),
-                    F.col("f_check_times").cast("string"),
-                    F.lit(" requests="),
-                    requests_n.cast("string"),
-                ),
+                table,
+                "concat('EXPIRED: age > ', CAST(f_reserved_ms AS STRING), "
+                "' ms; MAX_CHECKS: check_times = requests >= check_max = ', "
+                "CAST(f_check_max AS STRING))",
+                f"concat(f_reason, ' age=', CAST({age} AS STRING), "
+                f"' check_times=', CAST(f_check_times AS STRING), "
+                f"' requests=', CAST({requests_n} AS STRING))",
                 transaction_id="f_transaction_id",
             ),
-            _content_check(judged, DISCARD.path, CONTENT + ("store_ms", "check_immunity_s")),
+            _content_check(judged, table, CONTENT + ("store_ms", "check_immunity_s")),
         ),
     ]
 
@@ -658,30 +628,26 @@ def _queue_differences(expected: DataFrame, queues: DataFrame) -> list[DataFrame
         F.count("*").alias("n_rows"), F.max("next_queue_offset").alias("next_queue_offset")
     )
     qj = rows_per_queue.join(carried, ["topic", "queue_id"], "full_outer")
-    n_expected = F.coalesce(F.col("n_expected"), F.lit(0))
-    queue = F.concat(
-        F.lit(QUEUES.path + " "), F.col("topic"), F.lit(" queue "), F.col("queue_id").cast("string")
-    )
+    n_expected = "coalesce(n_expected, 0)"
+    queue = f"concat({_lit(QUEUES.path + ' ')}, topic, ' queue ', CAST(queue_id AS STRING))"
 
     def of_queues(df: DataFrame) -> DataFrame:
-        return df.withColumn("half_offset", F.lit(None)).withColumn("transaction_id", F.lit(None))
+        return select_expr(df, ["*", "NULL AS half_offset", "NULL AS transaction_id"])
 
     return [
         _diff(
-            of_queues(
-                qj.where(~n_expected.eqNullSafe(F.coalesce(F.col("next_queue_offset"), F.lit(0))))
-            ),
+            of_queues(qj.where(f"NOT ({n_expected} <=> coalesce(next_queue_offset, 0))")),
             "queue_state_mismatch",
             queue,
-            n_expected.cast("string"),
-            F.col("next_queue_offset").cast("string"),
+            f"CAST({n_expected} AS STRING)",
+            "CAST(next_queue_offset AS STRING)",
         ),
         _diff(
             of_queues(carried.where("n_rows > 1")),
             "duplicate_queue",
             queue,
-            "1 row",
-            F.concat(F.col("n_rows").cast("string"), F.lit(" rows")),
+            "'1 row'",
+            "concat(CAST(n_rows AS STRING), ' rows')",
         ),
     ]
 
@@ -705,32 +671,33 @@ def _rejected_differences(
     )
     by_half = cancelled.select("half_offset", F.lit(True).alias("c_half"))
     o = ops.join(rej_ops, "op_offset", "left").join(by_half, "half_offset", "left")
-    is_cancel = F.coalesce(F.col("action") == CANCEL, F.lit(False))
-    recorded = F.col("recorded").isNotNull() | (is_cancel & F.col("c_half").isNotNull())
-    applied = F.col("valid") & ~F.col("late")
+    is_cancel = f"coalesce(action = {_lit(CANCEL)}, false)"
+    recorded = f"(recorded IS NOT NULL OR ({is_cancel} AND c_half IS NOT NULL))"
+    applied = "(valid AND NOT late)"
+    table = _lit(REJECTED.path)
     return [
         _diff(
             expected.where(_is(REJECTED_FATE)).join(rej_halves, "half_offset", "left_anti"),
             "missing_rejected",
-            REJECTED.path,
-            "a rejected row",
-            "none",
+            table,
+            "'a rejected row'",
+            "'none'",
         ),
         _differences(
             o,
             _check(
-                ~applied & ~recorded,
+                f"NOT {applied} AND NOT {recorded}",
                 "unrecorded_rejected_op",
-                REJECTED.path,
-                F.concat(F.lit("a rejected row for op_offset "), F.col("op_offset").cast("string")),
-                F.lit("none"),
+                table,
+                "concat('a rejected row for op_offset ', CAST(op_offset AS STRING))",
+                "'none'",
             ),
             _check(
-                applied & recorded,
+                f"{applied} AND {recorded}",
                 "valid_op_rejected",
-                REJECTED.path,
-                F.concat(F.lit("op_offset "), F.col("op_offset").cast("string"), F.lit(" valid")),
-                F.lit("recorded as rejected"),
+                table,
+                "concat('op_offset ', CAST(op_offset AS STRING), ' valid')",
+                "'recorded as rejected'",
             ),
         ),
     ]
@@ -752,13 +719,9 @@ def _raw_duplicates(half: DataFrame, op: DataFrame) -> list[DataFrame]:
         _diff(
             dup_op,
             "duplicate_op_offset",
-            OP.path,
-            "1 row per op_offset",
-            F.concat(
-                F.col("n").cast("string"),
-                F.lit(" rows with op_offset "),
-                F.col("op_offset").cast("string"),
-            ),
+            _lit(OP.path),
+            "'1 row per op_offset'",
+            "concat(CAST(n AS STRING), ' rows with op_offset ', CAST(op_offset AS STRING))",
         ),
     ]
 
@@ -893,14 +856,23 @@ def _raw_rows(wh: str) -> int | None:
         if not job_tables.is_delta(path):
             continue
         try:
-            table = DeltaTable(path, storage_options=options_for(path))
-            files = pa.table(table.get_add_actions(flatten=True))
+            rows = _rows_in(path)
         except Exception:  # noqa: BLE001 - a prediction, as `jobs.run.rows_ahead`
             return None
-        if "num_records" not in files.column_names or files["num_records"].null_count:
+        if rows is None:
             return None
-        total += int(pc.sum(files["num_records"]).as_py() or 0)
+        total += rows
     return total
+
+
+def _rows_in(path: str) -> int | None:
+    """The rows of the Delta table at `path`, from its files' statistics
+    (None when a file has none)."""
+    table = DeltaTable(path, storage_options=options_for(path))
+    files = pa.table(table.get_add_actions(flatten=True))
+    if "num_records" not in files.column_names or files["num_records"].null_count:
+        return None
+    return int(pc.sum(files["num_records"]).as_py() or 0)
 
 
 def _audit(spark: SparkSession, wh: str, keep: Callable[[DataFrame], DataFrame]) -> VerifyReport:
@@ -1416,34 +1388,29 @@ def _cancels(
         )
     )
     justified = (
-        F.col("o_half").eqNullSafe(F.col("half_offset"))
-        & (F.col("o_source") == Source.ADMIN)
-        & (F.col("o_txn") == F.col("h_txn"))
-        & (F.col("o_group") == F.col("h_group"))
-        & F.col("c_due").eqNullSafe(F.col("h_due"))
+        f"coalesce(o_half <=> half_offset AND o_source = {_lit(Source.ADMIN)}"
+        " AND o_txn = h_txn AND o_group = h_group AND c_due <=> h_due, false)"
     )
-    justified = F.coalesce(justified, F.lit(False))
-    in_time = F.coalesce(F.col("c_due") > F.col("run_watermark"), F.lit(False))
-    valid = c.where(justified & in_time & F.col("run_watermark").isNotNull())
+    in_time = "coalesce(c_due > run_watermark, false)"
+    valid = c.where(f"{justified} AND {in_time} AND run_watermark IS NOT NULL")
+    table = _lit(CANCELLED.path)
     diffs = [
         _differences(
             c,
             _check(
-                ~justified,
+                f"NOT {justified}",
                 "cancel_without_op",
-                CANCELLED.path,
-                "an ADMIN CANCEL OP of the message, for its due time",
-                F.concat(F.lit("op_offset "), F.col("op_offset").cast("string")),
+                table,
+                "'an ADMIN CANCEL OP of the message, for its due time'",
+                "concat('op_offset ', CAST(op_offset AS STRING))",
             ),
             _check(
-                justified & ~in_time,
+                f"{justified} AND NOT {in_time}",
                 "cancel_after_due",
-                CANCELLED.path,
-                F.concat(F.lit("a run before "), F.col("c_due").cast("string")),
-                F.concat(
-                    F.lit("recorded at watermark "),
-                    F.coalesce(F.col("run_watermark").cast("string"), F.lit("of no committed run")),
-                ),
+                table,
+                "concat('a run before ', CAST(c_due AS STRING))",
+                "concat('recorded at watermark ', "
+                "coalesce(CAST(run_watermark AS STRING), 'of no committed run'))",
             ),
         ),
         _duplicates(cancelled, "duplicate_cancel", CANCELLED.path),

@@ -279,6 +279,11 @@ def test_every_tampering_is_caught_naming_the_message(spark, copy):
         f"UPDATE delta.`{order}` SET body = concat(X'01', substring(body, 2)) "
         f"WHERE half_offset = 9003"
     ).collect()
+    # small_op_offset: its delivered row gains a property.
+    spark.sql(
+        f"UPDATE delta.`{order}` SET properties = map_concat(properties, map('forged', 'yes')) "
+        f"WHERE half_offset = 9013"
+    ).collect()
     # pending: its row vanishes from the pending set.
     spark.sql(f"DELETE FROM delta.`{table_path(wh, PENDING)}` WHERE half_offset = 9006").collect()
     # bad_then_good and expired_admin swap their places in ORDER queue 0.
@@ -317,6 +322,10 @@ def test_every_tampering_is_caught_naming_the_message(spark, copy):
     flipped = bytes([1]) + bytes(range(1, 256))
     assert body[0]["expected"].startswith(f"body=256 bytes, sha256 {_sha256(bytes(range(256)))}")
     assert body[0]["found"].startswith(f"body=256 bytes, sha256 {_sha256(flipped)}")
+    props = [(d["expected"], d["found"]) for d in report.differences if d["half_offset"] == 9013]
+    assert props == [
+        ('properties={"k":"v","n":"9013"}', 'properties={"k":"v","n":"9013","forged":"yes"}')
+    ]
     assert _kinds_for(report, 9006) == {"missing_pending"}
     assert "discard_of_decided_message" in _kinds_for(report, 9004)
     assert "duplicate_discard" in _kinds_for(report, 9010)
@@ -336,7 +345,7 @@ def test_every_tampering_is_caught_naming_the_message(spark, copy):
     assert "duplicate_delivery" in _kinds_for(report, 9015)
     # Untouched messages stay clean, except for the gaps the deletions and
     # the extra rows leave in ORDER queue 0, where the later deliveries now sit.
-    tampered = {9001, 9002, 9003, 9004, 9006, 9010, 9009, 9011, 9014, 9015}
+    tampered = {9001, 9002, 9003, 9004, 9006, 9010, 9009, 9011, 9013, 9014, 9015}
     others = {
         (d["half_offset"], d["kind"])
         for d in report.differences
