@@ -258,7 +258,7 @@ def _add_discard(spark, wh, half_offset, reason="EXPIRED", body=None):
     row.write.format("delta").mode("append").save(discard)
 
 
-def test_every_tampering_is_caught_naming_the_message(spark, copy):
+def test_every_tampering_is_caught_naming_the_message(spark, copy, monkeypatch):
     """One tampering per message (a verify run costs tens of seconds, so they
     share one copy); each must show up as its own difference, on its message."""
     wh, m = copy
@@ -362,6 +362,19 @@ def test_every_tampering_is_caught_naming_the_message(spark, copy):
     ):
         assert needle in text
     assert report.to_dict()["total_differences"] == report.total_differences >= 6
+
+    # More differences than are listed: the first ones listed, all counted.
+    import jobs.verify as V
+
+    monkeypatch.setattr(V, "MAX_LISTED", 3)
+    capped = _verify(spark, wh)
+
+    def key(d):
+        return d["half_offset"], d["kind"]  # ties may come in either order
+
+    assert [key(d) for d in capped.differences] == [key(d) for d in report.differences[:3]]
+    assert all(d in report.differences for d in capped.differences)
+    assert capped.differences_by_kind == report.differences_by_kind
 
 
 def test_rows_deleted_by_deletion_vectors_are_seen_deleted(spark, copy):
