@@ -880,8 +880,11 @@ def _raw_rows(wh: str) -> int | None:
 
 def _rows_in(path: str) -> int | None:
     """The rows of the Delta table at `path`, from its files' statistics
-    (None when a file has none)."""
+    (None when a file has none, or its files are not its rows as written:
+    a deletion vector hides rows that its file's count still includes)."""
     table = DeltaTable(path, storage_options=options_for(path))
+    if not appends.plain_table(table):
+        return None
     files = pa.table(table.get_add_actions(flatten=True))
     if "num_records" not in files.column_names or files["num_records"].null_count:
         return None

@@ -385,14 +385,20 @@ def test_rows_deleted_by_deletion_vectors_are_seen_deleted(spark, copy):
 
     wh, _ = copy
     order, pending = topic_path(wh, "ORDER"), table_path(wh, PENDING)
-    for path in (order, pending):
+    half = table_path(wh, HALF)
+    for path in (order, pending, half):
         spark.sql(
             f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('delta.enableDeletionVectors' = 'true')"
         )
     spark.sql(f"DELETE FROM delta.`{order}` WHERE half_offset = 9002").collect()
     spark.sql(f"DELETE FROM delta.`{pending}` WHERE half_offset = 9006").collect()
+    # two more halves after the last run, in one file, and one of them deleted:
+    # the file's count still includes it
+    fx.write_halves(wh, fx.half(9100, store_ms=T2), fx.half(9101, store_ms=T2))
+    spark.sql(f"DELETE FROM delta.`{half}` WHERE half_offset = 9101").collect()
     assert appends.snapshot_files(order, DeltaTable(order).version()) is None
 
     report = _verify(spark, wh)
     assert "missing_delivery" in _kinds_for(report, 9002)
     assert "missing_pending" in _kinds_for(report, 9006)
+    assert report.counts["halves_not_yet_processed"] == 2  # 9099 and 9100
