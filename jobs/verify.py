@@ -23,7 +23,6 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import DeltaTable
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
@@ -34,6 +33,7 @@ from jobs.jvm_calls import select_expr
 from jobs.local import local_frame
 from jobs.session import strict_reads, use_warehouse
 from jobs.tagged_writes import TABLES_OPENED_AT_ONCE
+from jobs.transforms import sql_string, sql_strings
 from schemas import HALF, OP, TOPIC, TableSchema, table_path, topic_of_directory, topic_path
 from schemas.spark import spark_schema
 from schemas.tables import (
@@ -49,6 +49,7 @@ from schemas.tables import (
     TOPIC_DIRECTORY_ESCAPES,
 )
 from txn_core.config import as_config
+from txn_core.delta_log import open_table
 from txn_core.storage import options_for
 from txn_core.vocabulary import (
     CANCEL,
@@ -228,7 +229,7 @@ def _newer_rows(spark: SparkSession, path: str, judged_rows: int) -> int:
     if not job_tables.is_delta(path):
         return 0
     rows = _rows_in(path)
-    if rows is None:  # files without statistics: count them
+    if rows is None:  # no statistics, or deletion vectors: Spark counts the rows
         rows = spark.read.format("delta").load(path).count()
     return max(rows - judged_rows, 0)
 
@@ -263,7 +264,7 @@ def _committed_runs(spark: SparkSession, warehouse: str):
     if not job_tables.is_delta(path):
         return [], None
     # delta-rs: Spark's Delta reader cost more to plan its scan than these rows to read.
-    table = DeltaTable(path, storage_options=options_for(path))
+    table = open_table(path, storage_options=options_for(path))
     rows = table.to_pyarrow_table(columns=list(RUN_COLUMNS)).to_pylist(maps_as_pydicts="strict")
     by_number: dict[int, dict] = {}
     for row in rows:
@@ -295,11 +296,6 @@ def _rules(run: dict) -> dict:
 # calls were most of a small audit's driver time (docs/performance.md).
 
 
-def _lit(text: str) -> str:
-    """`text` as a SQL string literal."""
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
 def _canon(col: str, name: str) -> str:
     """A comparable form of a column: maps become sorted entry arrays
     (Spark cannot compare maps), everything else stays as it is."""
@@ -320,7 +316,7 @@ def _check(
     """One difference, as a struct, for the rows where `when` holds (null
     elsewhere). `table`, `expected` and `found` are SQL expressions of strings."""
     return (
-        f"CASE WHEN {when} THEN named_struct('kind', {_lit(kind)}, 'table', {table}, "
+        f"CASE WHEN {when} THEN named_struct('kind', {sql_string(kind)}, 'table', {table}, "
         f"'half_offset', CAST(half_offset AS BIGINT), "
         f"'transaction_id', CAST({transaction_id} AS STRING), "
         f"'expected', {expected}, 'found', {found}) END"
@@ -384,7 +380,11 @@ def _duplicates(rows: DataFrame, kind: str, table: str) -> DataFrame:
         F.count("*").alias("n"), F.first("transaction_id").alias("transaction_id")
     )
     return _diff(
-        per_msg.where("n > 1"), kind, _lit(table), "'1 row'", "concat(CAST(n AS STRING), ' rows')"
+        per_msg.where("n > 1"),
+        kind,
+        sql_string(table),
+        "'1 row'",
+        "concat(CAST(n AS STRING), ' rows')",
     )
 
 
@@ -393,7 +393,7 @@ def _fate_text() -> str:
 
 
 def _is(*fates: str) -> str:
-    return f"coalesce(fate IN ({', '.join(_lit(f) for f in fates)}), false)"
+    return f"coalesce(fate IN {sql_strings(fates)}, false)"
 
 
 # --- the audit of each output table ------------------------------------------
@@ -482,7 +482,7 @@ def _pending_differences(pending: DataFrame, expected: DataFrame) -> list[DataFr
     """Pending: exactly the undecided, undiscarded judged halves, unchanged."""
     p = expected.join(_found(pending), "half_offset", "full")
     row, waiting = "f_row IS NOT NULL", _is(PENDING_FATE)
-    table = _lit(PENDING.path)
+    table = sql_string(PENDING.path)
     return [
         _differences(
             p,
@@ -518,7 +518,7 @@ def _resolved_differences(resolved: DataFrame, expected: DataFrame) -> list[Data
         "((f_action != w_action) OR (f_op_offset != w_op_offset) OR (f_source != w_source)"
         " OR ((f_op_version != w_cv) AND w_dated))"
     )
-    table = _lit(RESOLVED.path)
+    table = sql_string(RESOLVED.path)
     return [
         _differences(
             r,
@@ -567,17 +567,17 @@ def _discard_differences(
     age = "greatest(f_run_now_ms - store_ms, 0)"
     requests_n = "coalesce(n_requests, 0)"
     bad_expired = (
-        f"(f_reason = {_lit(Decision.EXPIRED)} AND f_reserved_ms IS NOT NULL"
+        f"(f_reason = {sql_string(Decision.EXPIRED)} AND f_reserved_ms IS NOT NULL"
         f" AND {age} <= f_reserved_ms)"
     )
     bad_max = (
-        f"(f_reason = {_lit(Decision.MAX_CHECKS)} AND f_check_max IS NOT NULL AND ("
+        f"(f_reason = {sql_string(Decision.MAX_CHECKS)} AND f_check_max IS NOT NULL AND ("
         f"f_check_times != {requests_n}"
         f" OR (f_check_budget = 'sent' AND f_check_times != f_check_max)"
         f" OR f_check_times < f_check_max))"
     )
-    bad_reason = f"NOT (f_reason IN ({_lit(Decision.EXPIRED)}, {_lit(Decision.MAX_CHECKS)}))"
-    table = _lit(DISCARD.path)
+    bad_reason = f"NOT (f_reason IN {sql_strings((Decision.EXPIRED, Decision.MAX_CHECKS))})"
+    table = sql_string(DISCARD.path)
     return [
         _diff(
             discard_dated.where(unknown_run),
@@ -642,7 +642,7 @@ def _queue_differences(expected: DataFrame, queues: DataFrame) -> list[DataFrame
     )
     qj = rows_per_queue.join(carried, ["topic", "queue_id"], "full_outer")
     n_expected = "coalesce(n_expected, 0)"
-    queue = f"concat({_lit(QUEUES.path + ' ')}, topic, ' queue ', CAST(queue_id AS STRING))"
+    queue = f"concat({sql_string(QUEUES.path + ' ')}, topic, ' queue ', CAST(queue_id AS STRING))"
 
     def of_queues(df: DataFrame) -> DataFrame:
         return select_expr(df, ["*", "NULL AS half_offset", "NULL AS transaction_id"])
@@ -684,10 +684,10 @@ def _rejected_differences(
     )
     by_half = cancelled.select("half_offset", F.lit(True).alias("c_half"))
     o = ops.join(rej_ops, "op_offset", "left").join(by_half, "half_offset", "left")
-    is_cancel = f"coalesce(action = {_lit(CANCEL)}, false)"
+    is_cancel = f"coalesce(action = {sql_string(CANCEL)}, false)"
     recorded = f"(recorded IS NOT NULL OR ({is_cancel} AND c_half IS NOT NULL))"
     applied = "(valid AND NOT late)"
-    table = _lit(REJECTED.path)
+    table = sql_string(REJECTED.path)
     return [
         _diff(
             expected.where(_is(REJECTED_FATE)).join(rej_halves, "half_offset", "left_anti"),
@@ -732,7 +732,7 @@ def _raw_duplicates(half: DataFrame, op: DataFrame) -> list[DataFrame]:
         _diff(
             dup_op,
             "duplicate_op_offset",
-            _lit(OP.path),
+            sql_string(OP.path),
             "'1 row per op_offset'",
             "concat(CAST(n AS STRING), ' rows with op_offset ', CAST(op_offset AS STRING))",
         ),
@@ -882,7 +882,7 @@ def _rows_in(path: str) -> int | None:
     """The rows of the Delta table at `path`, from its files' statistics
     (None when a file has none, or its files are not its rows as written:
     a deletion vector hides rows that its file's count still includes)."""
-    table = DeltaTable(path, storage_options=options_for(path))
+    table = open_table(path, storage_options=options_for(path))
     if not appends.plain_table(table):
         return None
     files = pa.table(table.get_add_actions(flatten=True))
@@ -1404,12 +1404,12 @@ def _cancels(
         )
     )
     justified = (
-        f"coalesce(o_half <=> half_offset AND o_source = {_lit(Source.ADMIN)}"
+        f"coalesce(o_half <=> half_offset AND o_source = {sql_string(Source.ADMIN)}"
         " AND o_txn = h_txn AND o_group = h_group AND c_due <=> h_due, false)"
     )
     in_time = "coalesce(c_due > run_watermark, false)"
     valid = c.where(f"{justified} AND {in_time} AND run_watermark IS NOT NULL")
-    table = _lit(CANCELLED.path)
+    table = sql_string(CANCELLED.path)
     diffs = [
         _differences(
             c,
