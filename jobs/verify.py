@@ -258,7 +258,7 @@ RUN_COLUMNS = (
 )
 
 
-def _committed_runs(spark: SparkSession, warehouse: str):
+def _committed_runs(warehouse: str):
     """(committed runs in order, the incomplete run after them or None)."""
     path = table_path(warehouse, RUNS)
     if not job_tables.is_delta(path):
@@ -895,7 +895,7 @@ def _audit(spark: SparkSession, wh: str, keep: Callable[[DataFrame], DataFrame])
     """`verify` in `wh`. `keep` computes a frame that several comparisons
     read once and cuts its plan there: a cached frame keeps its whole plan,
     which each comparison built on it would be analysed and run with again."""
-    scope = _scope(spark, wh)
+    scope = _scope(wh)
     runs = _runs_frame(spark, scope.committed)
     half = keep(
         _digested(_with_versions(spark, table_path(wh, HALF), HALF, scope.half_upto, scope.notes))
@@ -970,8 +970,8 @@ def _audit(spark: SparkSession, wh: str, keep: Callable[[DataFrame], DataFrame])
     )
 
 
-def _scope(spark: SparkSession, wh: str) -> _Scope:
-    committed, incomplete = _committed_runs(spark, wh)
+def _scope(wh: str) -> _Scope:
+    committed, incomplete = _committed_runs(wh)
     notes: list[str] = []
     if incomplete is not None:
         notes.append(

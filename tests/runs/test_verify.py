@@ -242,7 +242,7 @@ def _add_discard(spark, wh, half_offset, reason="EXPIRED", body=None):
 
     discard = table_path(wh, DISCARD)
     columns = spark.read.format("delta").load(discard).columns
-    run_id = _committed_runs(spark, wh)[0][-1]["run_id"]
+    run_id = _committed_runs(wh)[0][-1]["run_id"]
     row = (
         spark.read.format("delta")
         .load(table_path(wh, HALF))
