@@ -103,6 +103,8 @@ MEMBER_MAX_LEN = 255
 HEARTBEAT_INTERVAL_S = 10.0
 #: a member whose newest heartbeat is older than this is gone: its queues go to the others
 MEMBER_TIMEOUT_S = 30.0
+#: a poll with a timeout looks at the topic table again this often while it waits
+POLL_INTERVAL_S = 0.2
 #: the longest member_timeout_s: `maintain_consumer_tables` expires older membership rows
 MEMBER_TIMEOUT_MAX_S = 86_400.0
 
@@ -199,6 +201,14 @@ def _positive_seconds(value: object, name: str) -> float:
         raise ConfigError(f"{name} must be a number of seconds, got {type(value).__name__}")
     if not value > 0 or value == float("inf"):
         raise ConfigError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    return float(value)
+
+
+def _wait_seconds(value: object, name: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ConfigError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    if not 0 <= value < float("inf"):
+        raise ConfigError(f"{name} must be a finite number of seconds, 0 or more, got {value!r}")
     return float(value)
 
 
@@ -508,7 +518,8 @@ class Consumer:
     `poll` or `commit` for `member_timeout_s` (e.g. a batch processed for
     longer than that) is taken for gone and the others may take its queues;
     its next call lets go of those they took (what it polled from them and
-    did not commit is delivered again) and keeps the rest.
+    did not commit is delivered again) and keeps the rest. A waiting poll
+    (`timeout_s`) heartbeats at each look.
 
     >>> with Consumer("./warehouse", "billing", "ORDER") as c:       # doctest: +SKIP
     ...     batch = c.poll(100); process(batch); c.commit()
@@ -525,12 +536,18 @@ class Consumer:
         member: str | None = None,
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
         member_timeout_s: float = MEMBER_TIMEOUT_S,
+        poll_interval_s: float = POLL_INTERVAL_S,
+        sleep: Callable[[float], None] = time.sleep,
     ):
         forks.note_use("Consumer")
         self.group = validate_consumer_group(group)
         self.topic = _valid_topic(topic)
         if not callable(clock):
             raise ConfigError(f"clock must be a callable returning seconds, got {clock!r}")
+        if not callable(sleep):
+            raise ConfigError(f"sleep must be a callable taking seconds, got {sleep!r}")
+        self._poll_interval_s = _positive_seconds(poll_interval_s, "poll_interval_s")
+        self._sleep = sleep
         self._heartbeat_interval_ms, self._member_timeout_ms = _member_settings(
             heartbeat_interval_s, member_timeout_s
         )
@@ -591,11 +608,25 @@ class Consumer:
         """The group's live members on this topic at the last rebalance, sorted."""
         return list(self._members)
 
-    def poll(self, max_messages: int = 32) -> list[ConsumedMessage]:
+    def poll(self, max_messages: int = 32, timeout_s: float = 0.0) -> list[ConsumedMessage]:
         """Up to `max_messages` next messages of the queues held, each queue's
         in offset order and the queues taken in turn; [] when there is
-        nothing new (or no topic table yet)."""
-        return self._poll(_positive_int(max_messages, "max_messages"), skip=())
+        nothing new (or no topic table yet).
+
+        With `timeout_s`, a poll that finds nothing waits for messages up to
+        that long (by the consumer's clock), looking again every
+        `poll_interval_s`, and returns as soon as a look finds some.
+
+        >>> consumer.poll(100, timeout_s=5.0)   # [] only after 5 s of nothing  # doctest: +SKIP
+        """
+        max_messages = _positive_int(max_messages, "max_messages")
+        deadline = self._clock() + _wait_seconds(timeout_s, "timeout_s")
+        while True:
+            polled = self._poll(max_messages, skip=())
+            remaining = deadline - self._clock()
+            if polled or remaining <= 0:
+                return polled
+            self._sleep(min(self._poll_interval_s, remaining))
 
     def seek(self, queue_id: int, offset: int) -> None:
         """Make `offset` the next one `poll` hands out from `queue_id`.

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from schemas import CONSUMER_OFFSETS, dlq_path, table_path, topic_path
+from schemas import CONSUMER_MEMBERS, CONSUMER_OFFSETS, dlq_path, table_path, topic_path
 from schemas.arrow import arrow_schema
 from txn_core import (
     Broker,
@@ -167,6 +167,89 @@ def test_a_poll_of_any_size_returns_what_there_is(warehouse):
     for queue_id in range(40):  # more queues than a poll reads one by one
         many.seek(queue_id, 0)
     assert len(many.poll(2**80)) == 5
+
+
+class Waits:
+    """A consumer's `sleep`: moves the test's clock instead of waiting, and
+    can deliver messages at a given wait, as the job would meanwhile."""
+
+    def __init__(self, clock: Clock, warehouse: str, deliver_at: int | None = None):
+        self.clock, self.warehouse, self.deliver_at = clock, warehouse, deliver_at
+        self.waits: list[float] = []
+
+    def __call__(self, seconds: float) -> None:
+        self.waits.append(seconds)
+        self.clock.advance(seconds)
+        if len(self.waits) == self.deliver_at:
+            deliver(self.warehouse, q0=range(2))
+
+
+def test_a_poll_with_a_timeout_returns_when_messages_come(warehouse):
+    clock = Clock()
+    waits = Waits(clock, warehouse, deliver_at=3)
+    consumer = Consumer(warehouse, GROUP, "ORDER", clock=clock, sleep=waits)
+    # the topic has no table at the first looks: the poll waits for it too
+    assert offsets(consumer.poll(10, timeout_s=5.0)) == [(0, 0), (0, 1)]
+    assert waits.waits == [0.2, 0.2, 0.2]  # POLL_INTERVAL_S, until a look found them
+    deliver(warehouse, q0=range(2, 3))
+    assert offsets(consumer.poll(10, timeout_s=5.0)) == [(0, 2)]
+    assert len(waits.waits) == 3  # messages there at once: no wait
+
+
+def test_a_poll_with_a_timeout_gives_up_at_it_and_heartbeats_while_it_waits(warehouse):
+    deliver(warehouse, q0=range(1))
+    clock = Clock()
+    waits = Waits(clock, warehouse)
+    consumer = Consumer(
+        warehouse,
+        GROUP,
+        "ORDER",
+        clock=clock,
+        sleep=waits,
+        poll_interval_s=1.0,
+        heartbeat_interval_s=2.0,
+        member_timeout_s=3.0,
+    )
+    assert offsets(consumer.poll(10)) == [(0, 0)]
+    started = clock.now
+    assert consumer.poll(10, timeout_s=6.5) == []
+    assert waits.waits == pytest.approx([1.0] * 6 + [0.5])  # the last wait ends at the timeout
+    assert clock.now == pytest.approx(started + 6.5)
+    members = DeltaTable(table_path(warehouse, CONSUMER_MEMBERS)).to_pyarrow_table()
+    heartbeats = sorted(members.column("heartbeat_ms").to_pylist())
+    # joined at the first poll, then a heartbeat every 2 s of the wait: never taken for gone
+    assert heartbeats == [int(started * 1000) + step for step in (0, 2000, 4000, 6000)]
+    assert consumer.assignment() == [0]
+
+
+@pytest.mark.parametrize(
+    "timeout_s, problem",
+    [
+        (-1, "timeout_s must be a finite number of seconds, 0 or more, got -1"),
+        (float("nan"), "timeout_s must be a finite number of seconds, 0 or more, got nan"),
+        (float("inf"), "timeout_s must be a finite number of seconds, 0 or more, got inf"),
+        ("5", "timeout_s must be a number of seconds, got str"),
+        (True, "timeout_s must be a number of seconds, got bool"),
+    ],
+)
+def test_a_bad_poll_timeout_is_refused_before_any_look(warehouse, timeout_s, problem):
+    deliver(warehouse, q0=range(1))
+    consumer = Consumer(warehouse, GROUP, "ORDER")
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        consumer.poll(10, timeout_s=timeout_s)
+    assert offsets(consumer.poll(10)) == [(0, 0)]  # nothing was handed out by the refused call
+
+
+@pytest.mark.parametrize(
+    "kwargs, problem",
+    [
+        ({"poll_interval_s": 0}, "poll_interval_s must be a positive, finite number of seconds"),
+        ({"sleep": 0.2}, "sleep must be a callable taking seconds"),
+    ],
+)
+def test_bad_wait_settings_are_refused(warehouse, kwargs, problem):
+    with pytest.raises(ConfigError, match=problem):
+        Consumer(warehouse, GROUP, "ORDER", **kwargs)
 
 
 def test_seek_out_of_range_is_refused_and_leaves_the_consumer_as_it_was(warehouse):
