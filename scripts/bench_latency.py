@@ -18,8 +18,10 @@ hundred runs), and the figures are those of a continuous job that has been
 running. The runs are described too: their median time, and for the timed
 part the longest run and the longest time between two runs' starts (a run
 plus what follows it: every 100th run compacts the job's tables).
-With `--cron` the same is measured for one fresh `txn-reconcile run` a
-minute (the cron cadence) at the first rate.
+Then, in the same invocation, the same is measured for one fresh
+`txn-reconcile run` a minute (the cron cadence) at each of `--cron-rates`
+(1,000 msg/s by default, the rate the latency target is set at; `--cron`
+adds every rate of `--rates`, `--cron-rates ""` none).
 
     python scripts/bench_latency.py --rates 100,1000,3000 --duration 180
     python scripts/bench_latency.py --rates 1000 --duration 180 --cron
@@ -361,17 +363,23 @@ def main(argv=None) -> None:
         default=load_config(env={}).group_commit_interval_ms,
         help="the producers' least time between two commits to a table (default: the config's)",
     )
-    p.add_argument("--cron", action="store_true", help="also the cron cadence, at the first rate")
+    p.add_argument(
+        "--cron-rates",
+        default="1000",
+        help='rates at which the cron cadence is measured too, comma-separated ("": none)',
+    )
+    p.add_argument("--cron", action="store_true", help="the cron cadence at every rate of --rates")
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
+    cron_rates = rates if args.cron else [float(r) for r in args.cron_rates.split(",") if r]
     print(
         f"cores = {os.cpu_count()}, {args.duration:.0f} s per rate, body {args.body_bytes} B, "
         f"group commits at least {args.group_commit_interval_ms} ms apart"
     )
     for rate in rates:
         report(measure(rate, args))
-    if args.cron:
-        report(measure(rates[0], args, cron=True))
+    for rate in cron_rates:
+        report(measure(rate, args, cron=True))
 
 
 if __name__ == "__main__":
