@@ -134,9 +134,12 @@ class Broker:
             config, warehouse = warehouse, warehouse.warehouse
         if config is None:
             config = Config(warehouse=warehouse)
+            # the settings of a registered warehouse holding it, else the
+            # defaults; the warehouse itself is the one named, prefix and all
             storage = storage_for(config.warehouse)
         else:
-            storage = replace(Storage.from_config(config), warehouse=absolute_warehouse(warehouse))
+            storage = Storage.from_config(config)
+        storage = replace(storage, warehouse=absolute_warehouse(warehouse))
         warehouse = storage.warehouse
         if storage_options is None:
             use(storage)

@@ -8,6 +8,10 @@ reads each message once.
 
 >>> for row in read_topic("./warehouse", "ORDER", queue_id=0, from_queue_offset=0):
 ...     handle(row["body"])                                        # doctest: +SKIP
+
+A consumer group keeps those positions in the warehouse instead
+(`txn_core.consumer_group`; its `Consumer` and `PushConsumer` can be imported
+from here too).
 """
 
 from __future__ import annotations
@@ -23,9 +27,12 @@ from deltalake.exceptions import TableNotFoundError
 from schemas import topic_path
 from txn_core import forks
 from txn_core.config import Config, absolute_warehouse, int_in_range
+from txn_core.consumer_group import ConsumedMessage, Consumer, PushConsumer
 from txn_core.message import QUEUE_ID_MAX, QUEUE_OFFSET_MAX, validate_topic
 from txn_core.storage import Storage, options_for, use
 from txn_core.tables import MissingTableError, check_topic_table
+
+__all__ = ["ConsumedMessage", "Consumer", "PushConsumer", "read_topic"]
 
 
 def read_topic(

@@ -54,12 +54,19 @@ from schemas import CONSUMER_MEMBERS, CONSUMER_OFFSETS, DLQ, HALF, TOPIC, table_
 from schemas.arrow import arrow_schema
 from txn_core import forks, superseded
 from txn_core.blind_append import BlindAppender, TableChanged, unsupported_reason
+from txn_core.broker import Broker
 from txn_core.config import Config, ConfigError, absolute_warehouse, int_in_range
 from txn_core.delta_log import appended, refresh
-from txn_core.errors import BrokerClosedError, MessageValidationError, PersistError, TxnError
+from txn_core.errors import (
+    BrokerClosedError,
+    MessageValidationError,
+    NoListenerError,
+    PersistError,
+    TxnError,
+)
 from txn_core.log_trim import trim_behind_newest
 from txn_core.message import QUEUE_ID_MAX, QUEUE_OFFSET_MAX, validate_topic
-from txn_core.storage import Storage, options_for, use
+from txn_core.storage import Storage, options_for, storage_for, use
 from txn_core.tables import check_topic_table, open_existing, open_or_create
 from txn_core.vocabulary import ConsumeResult
 
@@ -85,7 +92,8 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 #: RocketMQ's delay levels 1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h:
-#: the n-th retry of a message waits level n (the last one from the 18th on)
+#: the n-th retry of a message waits level n + 2, as RocketMQ's broker sends a
+#: message back at level 3 + reconsumeTimes (10 s first, 2 h from the 16th on)
 DELAY_LEVELS_S = (
     *(1, 5, 10, 30),
     *(60 * minutes for minutes in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 20, 30)),
@@ -180,12 +188,12 @@ def validate_consumer_group(group: object) -> str:
 def retry_delay_s(retry: int) -> int:
     """Seconds the `retry`-th redelivery of a message waits (1-based).
 
-    >>> retry_delay_s(1), retry_delay_s(5), retry_delay_s(40)
-    (1, 60, 7200)
+    >>> retry_delay_s(1), retry_delay_s(5), retry_delay_s(16), retry_delay_s(40)
+    (10, 180, 7200, 7200)
     """
     if retry < 1:
         raise ValueError(f"retry must be at least 1, got {retry}")
-    return DELAY_LEVELS_S[min(retry, len(DELAY_LEVELS_S)) - 1]
+    return DELAY_LEVELS_S[min(retry + 2, len(DELAY_LEVELS_S)) - 1]
 
 
 def _positive_int(value: object, name: str) -> int:
@@ -210,6 +218,19 @@ def _wait_seconds(value: object, name: str) -> float:
     if not 0 <= value < float("inf"):
         raise ConfigError(f"{name} must be a finite number of seconds, 0 or more, got {value!r}")
     return float(value)
+
+
+def _valid_listener(listener: object) -> Listener:
+    if not callable(listener):
+        raise ConfigError(f"listener must be a callable, got {type(listener).__name__}")
+    if inspect.iscoroutinefunction(listener) or inspect.iscoroutinefunction(
+        type(listener).__call__
+    ):
+        raise ConfigError(
+            "listener is a coroutine function; it must return a ConsumeResult (run your "
+            "async code to completion in it)"
+        )
+    return listener
 
 
 def _member_settings(heartbeat_interval_s: object, member_timeout_s: object) -> tuple[int, int]:
@@ -330,7 +351,7 @@ class ConsumedMessage:
 
 
 def read_committed_offsets(
-    warehouse: str | os.PathLike[str] | Config,
+    warehouse: str | os.PathLike[str] | Config | Broker,
     group: str,
     topic: str,
     storage_options: dict[str, str] | None = None,
@@ -343,7 +364,8 @@ def read_committed_offsets(
     topic and queue of the first row that holds no usable offset. Reading
     joins no group: this is how to look at a group's position from outside.
     """
-    newest = _read_committed(_resolve_warehouse(warehouse), group, topic, storage_options)
+    warehouse, storage_options = _resolve_warehouse(warehouse, storage_options, check=False)
+    newest = _read_committed(warehouse, group, topic, storage_options)
     return {queue_id: key[1] for queue_id, key in newest.items()}
 
 
@@ -401,14 +423,33 @@ def _newest_per_queue(
     return newest
 
 
-def _resolve_warehouse(warehouse: str | os.PathLike[str] | Config) -> str:
+def _resolve_warehouse(
+    warehouse: str | os.PathLike[str] | Config | Broker,
+    storage_options: dict[str, str] | None,
+    *,
+    check: bool,
+) -> tuple[str, dict[str, str] | None]:
+    """The warehouse's URI and the delta-rs options given for it (None: its
+    registered settings'). A consumer writes, so with `check` an object store
+    is checked first, once per process, as `Broker.open` checks it (unless
+    the caller gave options of their own, as there); a Broker was checked
+    when it opened, and lends its options."""
+    if isinstance(warehouse, Broker):
+        given = storage_options if storage_options is not None else warehouse.storage_options
+        return warehouse.warehouse, given
     if isinstance(warehouse, os.PathLike):
         warehouse = os.fspath(warehouse)
     if isinstance(warehouse, Config):
-        return use(Storage.from_config(warehouse), check=False).warehouse
-    if not isinstance(warehouse, str) or not warehouse:
-        raise ConfigError(f"warehouse must be a path, a URI or a Config, got {warehouse!r}")
-    return absolute_warehouse(warehouse)
+        storage = Storage.from_config(warehouse)
+    elif isinstance(warehouse, str) and warehouse:
+        uri = absolute_warehouse(warehouse)
+        storage = dataclasses.replace(storage_for(uri), warehouse=uri)
+    else:
+        raise ConfigError(
+            f"warehouse must be a path, a URI, a Config or a Broker, got {warehouse!r}"
+        )
+    use(storage, check=check and storage_options is None)
+    return storage.warehouse, storage_options
 
 
 def _valid_topic(topic: object) -> str:
@@ -527,7 +568,7 @@ class Consumer:
 
     def __init__(
         self,
-        warehouse: str | os.PathLike[str] | Config,
+        warehouse: str | os.PathLike[str] | Config | Broker,
         group: str,
         topic: str,
         *,
@@ -553,7 +594,7 @@ class Consumer:
         )
         #: this member's id in the group: host:pid:random unless given (unique per live member)
         self.member = _valid_member(member)
-        self.warehouse = _resolve_warehouse(warehouse)
+        self.warehouse, storage_options = _resolve_warehouse(warehouse, storage_options, check=True)
         self._clock = clock
         self._storage_options = storage_options
         half = table_path(self.warehouse, HALF)
@@ -1140,10 +1181,10 @@ class PushConsumer:
 
     def __init__(
         self,
-        warehouse: str | os.PathLike[str] | Config,
+        warehouse: str | os.PathLike[str] | Config | Broker,
         group: str,
         topic: str,
-        listener: Listener,
+        listener: Listener | None = None,
         *,
         max_reconsume_times: int = 16,
         batch: int = 32,
@@ -1154,15 +1195,7 @@ class PushConsumer:
         heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
         member_timeout_s: float = MEMBER_TIMEOUT_S,
     ):
-        if not callable(listener):
-            raise ConfigError(f"listener must be a callable, got {type(listener).__name__}")
-        if inspect.iscoroutinefunction(listener) or inspect.iscoroutinefunction(
-            type(listener).__call__
-        ):
-            raise ConfigError(
-                "listener is a coroutine function; it must return a ConsumeResult (run your "
-                "async code to completion in it)"
-            )
+        self._listener = None if listener is None else _valid_listener(listener)
         self._max_reconsume_times = _positive_int(max_reconsume_times, "max_reconsume_times")
         self._batch = _positive_int(batch, "batch")
         if not isinstance(idle_wait_s, (int, float)) or not idle_wait_s > 0:
@@ -1180,7 +1213,6 @@ class PushConsumer:
             member_timeout_s=member_timeout_s,
         )
         self.consumer._on_revoke = self._revoked
-        self._listener = listener
         self._clock = clock
         self._idle_wait_s = float(idle_wait_s)
         # Polled messages not finished yet, per queue, in offset order.
@@ -1210,11 +1242,26 @@ class PushConsumer:
     def topic(self) -> str:
         return self.consumer.topic
 
+    def subscribe(self, listener: Listener) -> PushConsumer:
+        """Make `listener` the one each message is handed to (RocketMQ's
+        registerMessageListener), when none was given to the constructor or
+        to replace it: the round under way finishes with the old one.
+        Returns the consumer.
+
+        >>> push = PushConsumer("./warehouse", "billing", "ORDER")  # doctest: +SKIP
+        >>> push.subscribe(listener).start()                         # doctest: +SKIP
+        """
+        listener = _valid_listener(listener)
+        with self._lock:
+            self._listener = listener
+        return self
+
     def consume_once(self) -> int:
         """One round: poll the queues with nothing waiting, deliver what is
         due, dead-letter what ran out of retries, commit. Returns the number
         of listener calls made (0: nothing was due)."""
         with self._lock:
+            self._check_listener()
             busy = [queue_id for queue_id, buffer in self._buffers.items() if buffer]
             for message in self.consumer._poll(self._batch, skip=busy):
                 self._buffers.setdefault(message.queue_id, deque()).append(message)
@@ -1231,6 +1278,8 @@ class PushConsumer:
     def start(self) -> None:
         """Consume in a background thread until `shutdown`."""
         self.consumer._check_open()
+        with self._lock:
+            self._check_listener()
         if self._thread is not None:
             raise RuntimeError(f"the push consumer of group {self.group!r} is already started")
         self._thread = threading.Thread(
@@ -1251,6 +1300,13 @@ class PushConsumer:
                 )
         with self._lock:
             self.consumer.close()
+
+    def _check_listener(self) -> None:
+        if self._listener is None:
+            raise NoListenerError(
+                f"the push consumer of group {self.group!r} on topic {self.topic!r} has no "
+                "listener: pass one to PushConsumer or call subscribe(listener) first"
+            )
 
     def _revoked(self, queues: set[int]) -> None:
         """Another member takes these queues over: forget their buffered
@@ -1310,8 +1366,10 @@ class PushConsumer:
         not a string is not compared (`==` of e.g. a DataFrame raises), and
         the reason's text cannot fail, so a bad answer is a reconsume with
         backoff like any other, never an error that redelivers at once."""
+        listener = self._listener
+        assert listener is not None  # consume_once checked it
         try:
-            result = self._listener(message)
+            result = listener(message)
         except KeyboardInterrupt:  # Ctrl-C in a caller's consume_once loop
             raise
         # A failing listener is a reconsume, whatever it raised (RocketMQ

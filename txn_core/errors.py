@@ -20,7 +20,8 @@ class MessageValidationError(TxnError, ValueError):
 
 
 class NoListenerError(TxnError):
-    """A producer without a TransactionListener cannot send in a transaction."""
+    """A producer without a TransactionListener cannot send in a transaction,
+    nor a push consumer without a listener consume."""
 
 
 class PersistError(TxnError):

@@ -24,6 +24,7 @@ from txn_core import (
     ConsumerClosedError,
     ConsumeResult,
     CorruptOffsetError,
+    NoListenerError,
     PushConsumer,
 )
 from txn_core.consumer import read_topic
@@ -250,6 +251,24 @@ def test_a_bad_poll_timeout_is_refused_before_any_look(warehouse, timeout_s, pro
 def test_bad_wait_settings_are_refused(warehouse, kwargs, problem):
     with pytest.raises(ConfigError, match=problem):
         Consumer(warehouse, GROUP, "ORDER", **kwargs)
+
+
+def test_a_consumer_reads_the_warehouse_of_a_broker(warehouse):
+    deliver(warehouse, q0=range(2))
+    with Broker.open(warehouse) as broker:
+        consumer = Consumer(broker, GROUP, "ORDER")
+        assert consumer.warehouse == broker.warehouse
+        assert offsets(consumer.poll(10)) == [(0, 0), (0, 1)]
+        consumer.commit()
+        assert read_committed_offsets(broker, GROUP, "ORDER") == {0: 2}
+        consumer.close()  # its queue goes to the next member
+        listener = Listener()
+        deliver(warehouse, q0=range(2, 3))
+        assert PushConsumer(broker, GROUP, "ORDER", listener).consume_once() == 1
+    # the names RocketMQ users look for in the consumer module are there too
+    from txn_core import consumer
+
+    assert (consumer.Consumer, consumer.PushConsumer) == (Consumer, PushConsumer)
 
 
 def test_seek_out_of_range_is_refused_and_leaves_the_consumer_as_it_was(warehouse):
@@ -508,6 +527,31 @@ def test_push_success_moves_the_group_on(warehouse):
     assert sorted(listener.calls) == [(0, 0, 0), (0, 1, 0), (0, 2, 0), (1, 0, 0)]
     assert push.consume_once() == 0
     assert Consumer(warehouse, GROUP, "ORDER").committed() == {0: 3, 1: 1}
+
+
+def test_a_push_consumer_subscribes_its_listener_and_refuses_to_start_without_one(warehouse):
+    deliver(warehouse, q0=range(2))
+    push = PushConsumer(warehouse, GROUP, "ORDER")
+    for call in (push.consume_once, push.start):
+        with pytest.raises(NoListenerError, match="has no listener: .*subscribe"):
+            call()
+    assert push.consumer.committed() == {}  # nothing polled, nothing committed
+    with pytest.raises(ConfigError, match="listener must be a callable"):
+        push.subscribe("not callable")
+    listener = Listener()
+    assert push.subscribe(listener) is push
+    assert push.consume_once() == 2 and listener.calls == [(0, 0, 0), (0, 1, 0)]
+    deliver(warehouse, q0=range(2, 3))
+    other = Listener()
+    push.subscribe(other)  # replaces the listener for the next rounds
+    assert push.consume_once() == 1 and other.calls == [(0, 2, 0)]
+
+
+def test_retries_wait_as_rocketmqs_broker_has_them_wait():
+    # RocketMQ sends a failed message back at delay level 3 + reconsumeTimes
+    assert [retry_delay_s(n) for n in range(1, 18)] == [
+        10, 30, 60, 120, 180, 240, 300, 360, 420, 480, 540, 600, 1200, 1800, 3600, 7200, 7200
+    ]  # fmt: skip
 
 
 def test_reconsume_later_is_retried_when_due_and_holds_back_its_queue_only(warehouse):

@@ -19,14 +19,17 @@ from jobs.faults import FAULT_EXIT_CODE
 from jobs.reconcile import main, reconcile
 from jobs.status import status
 from jobs.verify import verify
-from schemas import HALF, OP, RUNS, table_path, topic_path
+from schemas import CONSUMER_MEMBERS, HALF, OP, RUNS, table_path, topic_path
 from schemas.tables import SCHEDULED
 from txn_core import (
     Broker,
     ConfigError,
+    Consumer,
+    ConsumeResult,
     LocalTransactionState,
     Message,
     Producer,
+    PushConsumer,
     TransactionListener,
     TransactionProducer,
     load_config,
@@ -126,9 +129,17 @@ def test_a_bad_boolean_in_the_environment_names_the_variable():
 
 def test_every_unusable_store_is_named_before_a_write(s3, monkeypatch):
     def refused(cfg: dict, named: str) -> None:
-        with pytest.raises(StorageError, match=named) as caught:
-            Broker.open(load_config(env={}, **cfg))
-        _no_secrets(str(caught.value))
+        config = load_config(env={}, **cfg)
+        # producers, and consumer groups (their members, offsets and dead letters)
+        for opening in (
+            lambda: Broker.open(config),
+            lambda: Consumer(config, "billing", "ORDER"),
+            lambda: PushConsumer(config, "billing", "ORDER", lambda m: ConsumeResult.SUCCESS),
+            lambda: Consumer(config.warehouse, "billing", "ORDER"),  # the URI alone
+        ):
+            with pytest.raises(StorageError, match=named) as caught:
+                opening()
+            _no_secrets(str(caught.value))
 
     refused(
         {**s3.config(), "warehouse": "s3://no-such-bucket/wh"},
@@ -139,8 +150,10 @@ def test_every_unusable_store_is_named_before_a_write(s3, monkeypatch):
     try:
         settings = lax.config()
         refused(settings, "does not enforce conditional writes")
-        half = table_path(load_config(env={}, **settings).warehouse, HALF)
-        assert not DeltaTable.is_deltatable(half, storage_options=options_for(half))
+        lax_warehouse = load_config(env={}, **settings).warehouse
+        for table in (HALF, CONSUMER_MEMBERS):
+            path = table_path(lax_warehouse, table)
+            assert not DeltaTable.is_deltatable(path, storage_options=options_for(path))
     finally:
         lax.stop()
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", WRONG_SECRET)
@@ -149,6 +162,23 @@ def test_every_unusable_store_is_named_before_a_write(s3, monkeypatch):
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     monkeypatch.setenv("HOME", "/nonexistent")  # no ~/.aws/credentials either
     refused(s3.config(), "no AWS credentials")
+
+
+def test_a_warehouse_named_by_its_uri_alone_keeps_its_prefix(s3):
+    """`Broker.open("s3://bucket/prefix")` with options of the caller's own
+    once made its tables at the bucket's root, dropping the prefix."""
+    config = load_config(env={}, **s3.config())
+    options = Storage.from_config(config).delta_rs_options()
+    bare = config.warehouse.replace("s3a://", "s3://", 1)
+    with Broker.open(bare, storage_options=options) as broker:
+        assert broker.warehouse == config.warehouse
+        Producer(broker, "orders").send(Message(topic="ORDER", body=b"x"))
+    half = table_path(config.warehouse, HALF)
+    assert len(DeltaTable(half, storage_options=options).to_pyarrow_table()) == 1
+    root = table_path(f"s3a://{Storage.from_config(config).bucket}", HALF)
+    assert not DeltaTable.is_deltatable(root, storage_options=options)
+    consumer = Consumer(bare, "billing", "ORDER", storage_options=options)
+    assert consumer.warehouse == config.warehouse and consumer.poll(10) == []
 
 
 def test_the_cli_exits_2_when_the_store_refuses_the_credentials(s3):
