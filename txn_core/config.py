@@ -45,7 +45,7 @@ WAREHOUSE_FORBIDDEN_CHARACTERS = "%|[]^\\{}*?#"
 #: an S3 prefix: the characters AWS calls safe in an object key but `*`;
 #: delta-rs gives back an S3 table's URI with any other escaped (a space as
 #: `%20`), and the job names the table's objects by that URI
-_S3_PREFIX_RE = re.compile(r"^[A-Za-z0-9/!_.'()-]*$")
+_S3_PREFIX_RE = re.compile(r"^[A-Za-z0-9/!_.'()-]*\Z")
 
 
 def absolute_warehouse(warehouse: str) -> str:
@@ -136,7 +136,7 @@ _SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/")
 #: RocketMQ's default `messageDelayLevel`
 DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
-_DURATION_RE = re.compile(r"^([0-9]{1,9})(ms|s|m|h|d)$")
+_DURATION_RE = re.compile(r"^([0-9]{1,9})(ms|s|m|h|d)\Z")
 
 
 def parse_delay_levels(text: str) -> tuple[int, ...]:

@@ -104,7 +104,7 @@ CONSUMER_GROUP_MAX_LEN = 255
 #: a poll over at most this many queues reads each one's own range of
 #: offsets (and the files that may hold it); over more, one band (`_read_band`)
 PER_QUEUE_READ_MAX = 32
-_GROUP_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+_GROUP_RE = re.compile(r"^[A-Za-z0-9_.-]+\Z")  # \Z: `$` lets a final newline through
 MEMBER_MAX_LEN = 255
 
 #: a member appends a heartbeat row (and rebalances) at most this often

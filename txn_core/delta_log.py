@@ -57,8 +57,8 @@ _FIELD_DUTIES = (
     "delta.identity",
     "delta.columnMapping",
 )
-_CHECKPOINT = re.compile(r"^(\d{20})\.checkpoint(\.\d{10}\.\d{10})?\.parquet$")
-_LOG_FILE = re.compile(r"^(\d{20})\.(json|crc|checkpoint(\.\d{10}\.\d{10})?\.parquet)$")
+_CHECKPOINT = re.compile(r"^(\d{20})\.checkpoint(\.\d{10}\.\d{10})?\.parquet\Z")
+_LOG_FILE = re.compile(r"^(\d{20})\.(json|crc|checkpoint(\.\d{10}\.\d{10})?\.parquet)\Z")
 
 
 #: what delta-rs says when it lists a log while another process adds entries
@@ -88,7 +88,7 @@ def open_table(
     raise AssertionError("unreachable")
 
 
-_ENTRY = re.compile(r"^(\d{20})\.json$")
+_ENTRY = re.compile(r"^(\d{20})\.json\Z")
 
 
 def latest_local_version(root: str) -> int | None:

@@ -11,7 +11,7 @@ from txn_core.errors import MessageValidationError
 from txn_core.vocabulary import RETRY_TOPIC_PREFIXES, TOPIC_MAX_LEN, Action, is_system_topic
 
 # RocketMQ's Validators: topic and group names.
-_NAME_RE = re.compile(r"^[%|a-zA-Z0-9_-]+$")
+_NAME_RE = re.compile(r"^[%|a-zA-Z0-9_-]+\Z")  # \Z: `$` lets a final newline through
 GROUP_MAX_LEN = 255
 _SYSTEM_GROUP_PREFIXES = ("cid_rmq_sys_", "_sys")
 # RocketMQ joins properties with \x01 between name and value and \x02 between

@@ -124,7 +124,9 @@ class ConsumeResult(enum.StrEnum):
 
 #: RocketMQ's topic rule (TopicValidator): 1..127 of [A-Za-z0-9_%|-]
 TOPIC_MAX_LEN = 127
-TOPIC_PATTERN = r"^[A-Za-z0-9_%|\-]{1,127}$"
+#: (for Spark's `rlike`: Java's `\z` is the end of the text; its `$` also
+#: matches before a final newline, which would let "ORDER\n" through)
+TOPIC_PATTERN = r"^[A-Za-z0-9_%|\-]{1,127}\z"
 #: topics RocketMQ reserves (TopicValidator.SYSTEM_TOPIC_SET), and the prefixes
 #: reserved in any case: RocketMQ's and our own tables'
 _SYSTEM_TOPICS = (

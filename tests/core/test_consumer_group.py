@@ -428,7 +428,21 @@ def test_a_closed_consumer_refuses_to_poll(warehouse):
 
 
 @pytest.mark.parametrize(
-    "group", ["", "a/b", "..", "a..b", ".", "with space", "x" * 256, "tab\t", "semi;colon", None, 7]
+    "group",
+    [
+        "",
+        "a/b",
+        "..",
+        "a..b",
+        ".",
+        "with space",
+        "x" * 256,
+        "tab\t",
+        "semi;colon",
+        "billing\n",
+        None,
+        7,
+    ],
 )
 def test_bad_group_names_are_refused(warehouse, group):
     with pytest.raises(ConfigError, match="consumer group"):

@@ -226,6 +226,7 @@ def test_batch_rules(producer, warehouse, batch, field):
         (dict(topic=""), "topic"),
         (dict(topic="T" * 128), "topic"),
         (dict(topic="bad topic!"), "topic"),
+        (dict(topic="ORDER\n"), "topic"),  # a regex's `$` matches before a final newline
         (dict(topic="_sys_half"), "topic"),
         (dict(topic="RMQ_SYS_TRANS_HALF_TOPIC"), "topic"),
         (dict(topic="TBW102"), "topic"),
@@ -267,7 +268,9 @@ def test_bad_message_names_the_field_and_writes_nothing(warehouse, kwargs, field
     assert rows(warehouse, "_sys/half") == [] and rows(warehouse, "_sys/op") == []
 
 
-@pytest.mark.parametrize("group", ["", "g" * 256, "bad group", "CID_RMQ_SYS_TRANS", None])
+@pytest.mark.parametrize(
+    "group", ["", "g" * 256, "bad group", "order_group\n", "CID_RMQ_SYS_TRANS", None]
+)
 def test_bad_group_is_refused(broker, group):
     with pytest.raises(MessageValidationError) as err:
         TransactionProducer(broker, group, Scripted())

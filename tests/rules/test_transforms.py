@@ -681,6 +681,7 @@ def test_rejected_halves_are_set_aside_with_a_reason(spark):
         fx.half(6, message_type="DELAY"),  # a kind this job does not know: never guessed
         fx.half(7, message_type="NORMAL"),
         fx.half(8, message_type="TRANSACTION"),
+        fx.half(9, topic="ORDER\n"),  # written by hand: Java's `$` matches before a final newline
     ]
     accepted, rejected = T.split_halves(halves_df(spark, *rows), r)
     assert sorted(r_["half_offset"] for r_ in accepted.collect()) == [1, 7, 8]
@@ -695,6 +696,7 @@ def test_rejected_halves_are_set_aside_with_a_reason(spark):
             (4, "negative queue_id"),
             (5, "invalid topic name"),
             (6, "unknown message_type"),
+            (9, "invalid topic name"),
         ],
         "row_offset long, reason string",
     )
