@@ -114,11 +114,11 @@ def maintain(
 
 
 def purge_resolved(broker: Broker, now_ms: int) -> tuple[int, int]:
-    """Delete half and OP rows of finished messages stored before the retention window.
+    """Delete half and OP rows of finished messages stored, and due when
+    delayed, before the retention window.
 
     Finished: written to `_sys/resolved` by the job, or a plain message whose
-    delivery the job cancelled (`_sys/cancelled`) and whose due time is
-    before the window too. A pending or discarded message keeps its rows,
+    delivery the job cancelled (`_sys/cancelled`). A pending or discarded message keeps its rows,
     and so does a cancelled transactional one, whose decision still resolves
     it. Returns (halves deleted, OPs deleted).
     """
@@ -128,8 +128,13 @@ def purge_resolved(broker: Broker, now_ms: int) -> tuple[int, int]:
     finished = _finished_offsets(broker, halves, cutoff)
     if finished is None:
         return 0, 0
+    # A delayed message committed early is resolved, then waits in the job's
+    # scheduled set, where a cancel must still find its half row: it is old
+    # only once its due time too is before the window.
+    due = pc.field("deliver_at_ms")
     old = halves.to_pyarrow_dataset().to_table(
-        columns=["half_offset"], filter=pc.field("store_ms") < cutoff
+        columns=["half_offset"],
+        filter=(pc.field("store_ms") < cutoff) & (due.is_null() | (due < cutoff)),
     )
     doomed = pc.filter(old["half_offset"], pc.is_in(old["half_offset"], finished)).to_pylist()
     if not doomed:

@@ -184,3 +184,27 @@ def test_group_commit_writer_compacts_its_small_files_without_new_data(warehouse
     assert sorted(half.to_pyarrow_table()["half_offset"].to_pylist()) == sorted(
         r.half_offset for r in sent
     )
+
+
+def test_purge_keeps_a_committed_delayed_message_until_its_time_is_old_too(warehouse):
+    """A delayed transactional message committed early is resolved when the
+    job schedules it: purged then, a cancel before its time found no half
+    row (LookupError) although the message was still to be delivered."""
+    clock = Clock(1_000 * HOUR)
+    config = Config(warehouse=warehouse, reserved_hours=24)
+    with Broker.open(warehouse, config=config, clock=clock) as broker:
+        txn = TransactionProducer(broker, "g", Decide())
+        commit = LocalTransactionState.COMMIT_MESSAGE
+        later = txn.send_message_in_transaction(
+            Message(topic="T", body=b"a", delay_ms=48 * HOUR), commit
+        )
+        sooner = txn.send_message_in_transaction(
+            Message(topic="T", body=b"b", delay_ms=2 * HOUR), commit
+        )
+        _mark_resolved(warehouse, [later, sooner])
+        report = maintain(broker, now_ms=clock.now + 27 * HOUR)
+        assert (report.purged_halves, report.purged_ops) == (1, 1)  # `sooner`: due 25 h ago
+        assert _half_offsets(warehouse, "half") == {later.half_offset}
+        broker.cancel(later.msg_id)  # still cancellable before its time
+        report = maintain(broker, now_ms=clock.now + 73 * HOUR)  # due 25 h ago now
+    assert report.purged_halves == 1 and _half_offsets(warehouse, "half") == set()
