@@ -63,6 +63,9 @@ def absolute_warehouse(warehouse: str) -> str:
     >>> absolute_warehouse("s3://bucket/wh/")
     's3a://bucket/wh'
     """
+    if not isinstance(warehouse, str) or not warehouse:
+        # "" would be the current directory: an unset variable, not a choice
+        raise ConfigError(f"warehouse must be a non-empty path or URI, got {warehouse!r}")
     if warehouse != warehouse.strip():
         raise ConfigError(
             f"warehouse {warehouse!r} begins or ends with white space, which would name "

@@ -26,17 +26,18 @@ from deltalake.exceptions import TableNotFoundError
 
 from schemas import topic_path
 from txn_core import forks
-from txn_core.config import Config, absolute_warehouse, int_in_range
+from txn_core.broker import Broker
+from txn_core.config import Config, int_in_range
 from txn_core.consumer_group import ConsumedMessage, Consumer, PushConsumer
 from txn_core.message import QUEUE_ID_MAX, QUEUE_OFFSET_MAX, validate_topic
-from txn_core.storage import Storage, options_for, use
+from txn_core.storage import options_for, resolve_warehouse
 from txn_core.tables import MissingTableError, check_topic_table
 
 __all__ = ["ConsumedMessage", "Consumer", "PushConsumer", "read_topic"]
 
 
 def read_topic(
-    warehouse: str | os.PathLike[str] | Config,
+    warehouse: str | os.PathLike[str] | Config | Broker,
     topic: str,
     *,
     queue_id: int | None = None,
@@ -47,8 +48,8 @@ def read_topic(
     """Delivered messages of `topic`, in (queue_id, queue_offset) order:
     from `from_queue_offset` on, of one queue or all, at most `limit`.
 
-    `warehouse` is a path or URI, or a Config (an S3 warehouse's endpoint
-    settings come with it). Raises MissingTableError when nothing was ever
+    `warehouse` is a path or URI, a Config (an S3 warehouse's endpoint
+    settings come with it) or a Broker. Raises MissingTableError when nothing was ever
     delivered to the topic. A page of one queue (`queue_id` and `limit`)
     reads only the files that may hold it.
     """
@@ -59,10 +60,8 @@ def read_topic(
         queue_id = int_in_range("queue_id", queue_id, 0, QUEUE_ID_MAX)
     if limit is not None:
         limit = int_in_range("limit", limit, 0, QUEUE_OFFSET_MAX)
-    if isinstance(warehouse, Config):
-        warehouse = use(Storage.from_config(warehouse), check=False).warehouse
-    else:  # as producers and the job name it (`~`, a relative path, s3://)
-        warehouse = absolute_warehouse(os.fspath(warehouse))
+    # as producers and the job name it (`~`, a relative path, s3://); it only reads
+    warehouse, storage_options = resolve_warehouse(warehouse, storage_options, check=False)
     uri = topic_path(warehouse, topic)
     try:
         table = DeltaTable(uri, storage_options=options_for(uri, storage_options))

@@ -55,7 +55,7 @@ from schemas.arrow import arrow_schema
 from txn_core import forks, superseded
 from txn_core.blind_append import BlindAppender, TableChanged, unsupported_reason
 from txn_core.broker import Broker
-from txn_core.config import Config, ConfigError, absolute_warehouse, int_in_range
+from txn_core.config import Config, ConfigError, int_in_range
 from txn_core.delta_log import appended, refresh
 from txn_core.errors import (
     BrokerClosedError,
@@ -66,7 +66,7 @@ from txn_core.errors import (
 )
 from txn_core.log_trim import trim_behind_newest
 from txn_core.message import QUEUE_ID_MAX, QUEUE_OFFSET_MAX, validate_topic
-from txn_core.storage import Storage, options_for, storage_for, use
+from txn_core.storage import options_for, resolve_warehouse
 from txn_core.tables import check_topic_table, open_existing, open_or_create
 from txn_core.vocabulary import ConsumeResult
 
@@ -364,7 +364,8 @@ def read_committed_offsets(
     topic and queue of the first row that holds no usable offset. Reading
     joins no group: this is how to look at a group's position from outside.
     """
-    warehouse, storage_options = _resolve_warehouse(warehouse, storage_options, check=False)
+    group, topic = validate_consumer_group(group), _valid_topic(topic)
+    warehouse, storage_options = resolve_warehouse(warehouse, storage_options, check=False)
     newest = _read_committed(warehouse, group, topic, storage_options)
     return {queue_id: key[1] for queue_id, key in newest.items()}
 
@@ -421,35 +422,6 @@ def _newest_per_queue(
         if queue_id not in newest or key > newest[queue_id]:
             newest[queue_id] = key
     return newest
-
-
-def _resolve_warehouse(
-    warehouse: str | os.PathLike[str] | Config | Broker,
-    storage_options: dict[str, str] | None,
-    *,
-    check: bool,
-) -> tuple[str, dict[str, str] | None]:
-    """The warehouse's URI and the delta-rs options given for it (None: its
-    registered settings'). A consumer writes, so with `check` an object store
-    is checked first, once per process, as `Broker.open` checks it (unless
-    the caller gave options of their own, as there); a Broker was checked
-    when it opened, and lends its options."""
-    if isinstance(warehouse, Broker):
-        given = storage_options if storage_options is not None else warehouse.storage_options
-        return warehouse.warehouse, given
-    if isinstance(warehouse, os.PathLike):
-        warehouse = os.fspath(warehouse)
-    if isinstance(warehouse, Config):
-        storage = Storage.from_config(warehouse)
-    elif isinstance(warehouse, str) and warehouse:
-        uri = absolute_warehouse(warehouse)
-        storage = dataclasses.replace(storage_for(uri), warehouse=uri)
-    else:
-        raise ConfigError(
-            f"warehouse must be a path, a URI, a Config or a Broker, got {warehouse!r}"
-        )
-    use(storage, check=check and storage_options is None)
-    return storage.warehouse, storage_options
 
 
 def _valid_topic(topic: object) -> str:
@@ -594,7 +566,7 @@ class Consumer:
         )
         #: this member's id in the group: host:pid:random unless given (unique per live member)
         self.member = _valid_member(member)
-        self.warehouse, storage_options = _resolve_warehouse(warehouse, storage_options, check=True)
+        self.warehouse, storage_options = resolve_warehouse(warehouse, storage_options, check=True)
         self._clock = clock
         self._storage_options = storage_options
         half = table_path(self.warehouse, HALF)
@@ -1198,10 +1170,7 @@ class PushConsumer:
         self._listener = None if listener is None else _valid_listener(listener)
         self._max_reconsume_times = _positive_int(max_reconsume_times, "max_reconsume_times")
         self._batch = _positive_int(batch, "batch")
-        if not isinstance(idle_wait_s, (int, float)) or not idle_wait_s > 0:
-            raise ConfigError(
-                f"idle_wait_s must be a positive number of seconds, got {idle_wait_s!r}"
-            )
+        idle_wait_s = _positive_seconds(idle_wait_s, "idle_wait_s")
         self.consumer = Consumer(
             warehouse,
             group,

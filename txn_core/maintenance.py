@@ -33,9 +33,10 @@ from deltalake.exceptions import CommitFailedError
 from schemas import CHECK_ANSWERS, CONSUMER_MEMBERS, CONSUMER_OFFSETS, HALF, OP, RESOLVED
 from schemas.tables import CANCELLED
 from txn_core.broker import Broker
-from txn_core.config import absolute_warehouse
+from txn_core.config import Config
 from txn_core.consumer_group import CONSUMER_LOG_RETENTION, MEMBER_TIMEOUT_MAX_S
 from txn_core.log_trim import job_cursor, trim_log
+from txn_core.storage import resolve_warehouse
 from txn_core.tables import open_existing
 from txn_core.vocabulary import MessageType
 
@@ -213,7 +214,7 @@ _OFFSET_KEYS_PER_DELETE = 200
 
 
 def maintain_consumer_tables(
-    warehouse: str | os.PathLike[str],
+    warehouse: str | os.PathLike[str] | Config | Broker,
     now_ms: int,
     *,
     storage_options: dict[str, str] | None = None,
@@ -230,7 +231,7 @@ def maintain_consumer_tables(
     Adds to `report` if given.
     """
     report = MaintenanceReport() if report is None else report
-    warehouse = absolute_warehouse(os.fspath(warehouse))
+    warehouse, storage_options = resolve_warehouse(warehouse, storage_options, check=False)
     members = open_existing(warehouse, CONSUMER_MEMBERS, storage_options)
     if members is not None:
         cutoff = now_ms - int(MEMBER_TIMEOUT_MAX_S * 1000)

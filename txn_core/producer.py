@@ -66,6 +66,10 @@ class Producer:
     """
 
     def __init__(self, broker: Broker, group: str):
+        if not isinstance(broker, Broker):
+            raise ConfigError(
+                f"broker must be a Broker (Broker.open(warehouse)), got {type(broker).__name__}"
+            )
         self.broker = broker
         self.group = validate_group(group)
         self._closed = False
@@ -242,12 +246,21 @@ class TransactionProducer(Producer):
         """One pass over this group's open check requests; returns how many were answered."""
         forks.check("TransactionProducer.answer_checks")
         self._check_open()
+        self.broker._check_open()  # before the listener answers: no answer without its OP
         self._require_listener()  # the answerer calls self._check_state, which uses it
         with self._checks_lock:
             return self._checks.poll()
 
     def start_checker(self, poll_s: float = 1.0) -> None:
         """Answer checks from a background thread every `poll_s` seconds until close()."""
+        if (
+            not isinstance(poll_s, (int, float))
+            or isinstance(poll_s, bool)
+            or not 0 < poll_s < float("inf")
+        ):
+            raise ConfigError(
+                f"poll_s must be a positive, finite number of seconds, got {poll_s!r}"
+            )
         self._check_open()
         self._require_listener()
         if self._checker is not None:

@@ -26,10 +26,13 @@ import os
 import threading
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
-from txn_core.config import S3_SCHEMES, Config, ConfigError
+from txn_core.config import S3_SCHEMES, Config, ConfigError, absolute_warehouse
+
+if TYPE_CHECKING:
+    from txn_core.broker import Broker
 
 #: where `check` writes (and deletes) its probe object under the warehouse
 PROBE_PREFIX = "_sys/write_probe"
@@ -323,6 +326,44 @@ def use(storage: Storage, *, check: bool = True) -> Storage:
         with _lock:
             _checked.add(storage)
     return storage
+
+
+def resolve_warehouse(
+    warehouse: str | os.PathLike[str] | Config | Broker,
+    storage_options: Mapping[str, str] | None,
+    *,
+    check: bool,
+) -> tuple[str, dict[str, str] | None]:
+    """The URI of a warehouse given as a path, a URI, a Config or a Broker,
+    and the delta-rs options the caller gave for it (None: its registered
+    settings'), for the broker core's readers and consumers.
+
+    Its settings are registered (`use`); with `check` (a caller that
+    writes) an object store is checked first, once per process, as
+    `Broker.open` checks it, unless the caller gave options of their own, as
+    there. A Broker was checked when it opened, and lends its options.
+
+    >>> resolve_warehouse("./wh", None, check=False)[0] == os.path.abspath("wh")
+    True
+    """
+    from txn_core.broker import Broker  # it imports this module
+
+    if isinstance(warehouse, Broker):
+        given = storage_options if storage_options is not None else warehouse.storage_options
+        return warehouse.warehouse, None if given is None else dict(given)
+    if isinstance(warehouse, os.PathLike):
+        warehouse = os.fspath(warehouse)
+    if isinstance(warehouse, Config):
+        storage = Storage.from_config(warehouse)
+    elif isinstance(warehouse, str):
+        uri = absolute_warehouse(warehouse)
+        storage = replace(storage_for(uri), warehouse=uri)
+    else:
+        raise ConfigError(
+            f"warehouse must be a path, a URI, a Config or a Broker, got {type(warehouse).__name__}"
+        )
+    use(storage, check=check and storage_options is None)
+    return storage.warehouse, None if storage_options is None else dict(storage_options)
 
 
 def object_key(uri: str) -> str:

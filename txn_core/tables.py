@@ -22,6 +22,7 @@ from deltalake.schema import Field
 from schemas import CHECK_ANSWERS, HALF, LEASE, OP, PRODUCERS, RUNS, TableSchema, table_path
 from schemas.arrow import arrow_schema
 from txn_core import kept_tables
+from txn_core.errors import PersistError
 from txn_core.storage import options_for
 
 BROKER_TABLES = (HALF, OP, CHECK_ANSWERS, PRODUCERS)
@@ -124,7 +125,10 @@ def open_or_create(
         except Exception as exc:  # noqa: BLE001
             last = exc
             time.sleep(0.01 * (attempt + 1))
-    raise MissingTableError(f"could not open or create {uri}: {last}") from last
+    raise PersistError(
+        f"could not create {uri}: {last} (writing to the warehouse needs write access "
+        "there, and room)"
+    ) from last
 
 
 def open_existing(

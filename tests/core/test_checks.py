@@ -11,6 +11,8 @@ from schemas import CHECK_REQUESTS
 from schemas.arrow import arrow_schema
 from txn_core import (
     Broker,
+    BrokerClosedError,
+    ConfigError,
     LocalTransactionState,
     Message,
     TransactionListener,
@@ -215,3 +217,29 @@ def test_start_checker_answers_in_the_background(warehouse):
         assert not producer._checker  # the thread was joined
     [op] = table_rows(warehouse, "_sys/op")
     assert op["source"] == "CHECK"
+
+
+@pytest.mark.parametrize("poll_s", [None, "1", 0, -1.0, float("inf"), float("nan"), True])
+def test_a_bad_checker_interval_is_refused_before_a_thread_starts(warehouse, poll_s):
+    """The thread answered one pass, then died or waited for ever, and a
+    later start_checker did nothing: checks went unanswered until discard."""
+    with Broker.open(warehouse) as broker:
+        producer = TransactionProducer(broker, "g", Answers())
+        with pytest.raises(ConfigError, match=r"poll_s must be a positive, finite number"):
+            producer.start_checker(poll_s=poll_s)
+        assert producer._checker is None  # a good interval still starts one
+        producer.close()
+
+
+def test_a_closed_broker_is_refused_before_the_listener_answers(warehouse):
+    listener = Answers({"a": COMMIT})
+    broker = Broker.open(warehouse)
+    producer = TransactionProducer(broker, "g", listener)
+    request_rows(warehouse, send_unknown(producer, ["a"]), "g")
+    broker.close()
+    with pytest.raises(BrokerClosedError):
+        producer.answer_checks()
+    assert listener.checked == []  # an answer recorded without its OP waited for the next check
+    assert not DeltaTable.is_deltatable(f"{warehouse}/_sys/check_answers") or (
+        table_rows(warehouse, "_sys/check_answers") == []
+    )

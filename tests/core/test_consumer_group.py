@@ -338,6 +338,49 @@ def test_read_topic_refuses_an_offset_or_queue_that_is_not_one(warehouse, kwargs
         read_topic(warehouse, "ORDER", **kwargs)
 
 
+@pytest.mark.parametrize(
+    "bad, problem",
+    [
+        ("", "warehouse must be a non-empty path or URI, got ''"),  # not the current directory
+        (None, "warehouse must be a path, a URI, a Config or a Broker, got NoneType"),
+        (5, "warehouse must be a path, a URI, a Config or a Broker, got int"),
+        (b"/wh", "warehouse must be a path, a URI, a Config or a Broker, got bytes"),
+    ],
+)
+def test_every_reader_refuses_a_warehouse_that_is_not_one(warehouse, monkeypatch, bad, problem):
+    deliver(warehouse, q0=range(1))
+    monkeypatch.chdir(warehouse)  # "" once read the warehouse the process stood in
+    from txn_core.maintenance import maintain_consumer_tables
+
+    for read in (
+        lambda: read_topic(bad, "ORDER"),
+        lambda: read_committed_offsets(bad, GROUP, "ORDER"),
+        lambda: maintain_consumer_tables(bad, 0),
+        lambda: Consumer(bad, GROUP, "ORDER"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(problem)):
+            read()
+
+
+def test_read_committed_offsets_refuses_a_group_or_topic_that_is_not_one(warehouse):
+    # it answered {} for any of them, as for a group that never committed
+    with pytest.raises(ConfigError, match="consumer group"):
+        read_committed_offsets(warehouse, "a/b", "ORDER")
+    with pytest.raises(ConfigError, match="topic"):
+        read_committed_offsets(warehouse, GROUP, None)
+
+
+def test_readers_take_a_config_or_a_broker_as_the_warehouse(warehouse):
+    from txn_core import Config
+    from txn_core.maintenance import maintain_consumer_tables
+
+    deliver(warehouse, q0=range(2))
+    with Broker.open(warehouse) as broker:
+        for given in (Config(warehouse=warehouse), broker):
+            assert [r["queue_offset"] for r in read_topic(given, "ORDER")] == [0, 1]
+            assert maintain_consumer_tables(given, 0).expired_member_rows == 0
+
+
 def test_a_topic_nothing_was_delivered_to_raises_an_error_txn_core_exports(warehouse):
     from txn_core import MissingTableError  # documented, and was not exported
 
@@ -460,6 +503,7 @@ def test_good_group_names_are_accepted(warehouse):
         ({"max_reconsume_times": 0}, "max_reconsume_times must be positive"),
         ({"max_reconsume_times": "3"}, "max_reconsume_times must be an integer"),
         ({"batch": -1}, "batch must be positive"),
+        ({"idle_wait_s": float("inf")}, "idle_wait_s must be a positive, finite number"),
     ],
 )
 def test_bad_push_settings_are_refused(warehouse, kwargs, problem):

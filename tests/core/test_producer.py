@@ -17,6 +17,7 @@ from txn_core import (
     BrokerClosedError,
     Config,
     ConfigError,
+    Consumer,
     LocalTransactionState,
     Message,
     MessageValidationError,
@@ -266,6 +267,23 @@ def test_bad_message_names_the_field_and_writes_nothing(warehouse, kwargs, field
         assert err.value.field == field
         assert isinstance(err.value, ValueError)
     assert rows(warehouse, "_sys/half") == [] and rows(warehouse, "_sys/op") == []
+
+
+def test_a_warehouse_that_cannot_be_created_is_a_persist_error_naming_the_table(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    where = str(tmp_path / "file" / "warehouse")
+    for opening in (lambda: Broker.open(where), lambda: Consumer(where, "billing", "ORDER").poll()):
+        with pytest.raises(PersistError, match=r"could not create .*/warehouse/_sys/\w+: "):
+            opening()
+
+
+@pytest.mark.parametrize("cls", [Producer, TransactionProducer])
+def test_a_producer_of_something_else_than_a_broker_is_refused(warehouse, cls):
+    # a warehouse path passed for the broker failed only at the first send
+    with pytest.raises(
+        ConfigError, match=r"broker must be a Broker \(Broker.open\(warehouse\)\), got str"
+    ):
+        cls(warehouse, "order_group")
 
 
 @pytest.mark.parametrize(
