@@ -92,6 +92,8 @@ def reconcile_forever(
             runs += 1
             if on_run is not None:
                 on_run(summary)
+            if max_runs is not None and runs >= max_runs:
+                break  # not a cadence more, holding the lease, after the last run
             _wait(stop, every_s - (time.monotonic() - started), lease)
     except InjectedFault:
         crashed = True  # behave as a killed process: the lease stays until it expires

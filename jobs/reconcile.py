@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -32,7 +33,7 @@ if __package__ in (None, ""):  # run as a file by spark-submit: make `jobs`, `sc
 from jobs.continuous import parse_every, reconcile_forever
 from jobs.faults import InjectedFault
 from jobs.lease import EXIT_LEASE_HELD, Lease, LeaseHeld
-from jobs.run import RunSummary, idle_ahead, reconcile, recover, rows_ahead
+from jobs.run import RunSummary, check_now_ms, idle_ahead, reconcile, recover, rows_ahead
 from jobs.session import driver_java_options, print_error, spark_log_level, use_warehouse
 from txn_core.config import Config, ConfigError, load_config
 from txn_core.vocabulary import CANCEL, Action, Source
@@ -162,8 +163,7 @@ def _spark(*, short_lived: bool = False):
 
 
 def _cmd_run(args, cfg: Config) -> int:
-    if args.now_ms is not None and args.now_ms < 0:
-        raise ConfigError(f"--now-ms must be a non-negative integer; got {args.now_ms}")
+    check_now_ms(args.now_ms, int(time.time() * 1000), "--now-ms")  # before the lease
     if args.every is not None or args.max_runs is not None:
         return _run_continuously(args, cfg)
     # The lease comes before Spark starts, so an overlapping run exits 75 in a second.
@@ -312,8 +312,7 @@ def _require_warehouse(cfg: Config) -> None:
 def _cmd_status(args, cfg: Config) -> int:
     from jobs.status import status
 
-    if args.now_ms is not None and args.now_ms < 0:
-        raise ConfigError(f"--now-ms must be a non-negative integer; got {args.now_ms}")
+    check_now_ms(args.now_ms, int(time.time() * 1000), "--now-ms")
     _require_warehouse(cfg)
     report = status(_spark(), cfg, now_ms=args.now_ms)
     print(json.dumps(report.to_dict()), flush=True)

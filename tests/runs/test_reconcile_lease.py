@@ -20,6 +20,7 @@ from jobs.lease import Lease, LeaseHeld, LeaseLost
 from jobs.reconcile import main, reconcile
 from schemas import HALF, LEASE, RUNS, table_path
 from txn_core import log_trim
+from txn_core.config import ConfigError
 from txn_core.tables import (
     EVERY_RUN_TABLE_CONFIG,
     SMALL_TABLE_CHECKPOINT_EVERY,
@@ -179,6 +180,22 @@ def test_bad_environment_value_and_bad_arguments_exit_2(tmp_path, capsys):
     assert exc.value.code == 2
     assert main(["run", "--warehouse", wh, "--now-ms", "-5"]) == 2
     assert "now-ms" in capsys.readouterr().err
+    # beyond a long: exit 1 and a TypeError or OverflowError from deep inside, the lease written
+    assert main(["run", "--warehouse", wh, "--now-ms", "99999999999999999999"]) == 2
+    assert "--now-ms must be an integer from 0 to 2^63-1" in capsys.readouterr().err
+    # a typo a year ahead: its watermark would have made every delayed message due, for good
+    ahead = int(time.time() * 1000) + 400 * 86_400_000
+    for args in (["run", "--dry-run"], ["run"], ["status"]):
+        assert main([*args, "--warehouse", wh, "--now-ms", str(ahead)]) == 2
+        assert "is more than a year after this machine's clock" in capsys.readouterr().err
+    assert not os.path.exists(wh)
+
+
+def test_a_clock_a_year_ahead_is_refused_by_reconcile_too(spark, tmp_path):
+    wh = str(tmp_path / "wh")
+    wall = 1_800_000_000.0
+    with pytest.raises(ConfigError, match="now_ms 1831622400001 is more than a year after"):
+        reconcile(spark, {"warehouse": wh}, now_ms=1_831_622_400_001, clock=lambda: wall)
     assert not os.path.exists(wh)
 
 
@@ -207,7 +224,7 @@ def test_the_command_line_refuses_before_spark_what_spark_would_refuse_late(
     assert main(["run", "--warehouse", wh, "--topic-log-retention-hours", "0"]) == 2
     assert "topic_log_retention_hours from arguments is out of range" in capsys.readouterr().err
     assert main(["status", "--warehouse", wh, "--now-ms", "-5"]) == 2  # was echoed back
-    assert "--now-ms must be a non-negative integer" in capsys.readouterr().err
+    assert "--now-ms must be an integer from 0 to 2^63-1 (ms); got -5" in capsys.readouterr().err
     # Python's spelling of a level: exit 1 once the JVM had started
     monkeypatch.setenv("TXN_SPARK_LOG_LEVEL", "WARNING")
     assert main(["run", "--warehouse", wh]) == 2
