@@ -34,7 +34,7 @@ from jobs.continuous import parse_every, reconcile_forever
 from jobs.faults import InjectedFault
 from jobs.lease import EXIT_LEASE_HELD, Lease, LeaseHeld
 from jobs.run import RunSummary, check_now_ms, idle_ahead, reconcile, recover, rows_ahead
-from jobs.session import driver_java_options, print_error, spark_log_level, use_warehouse
+from jobs.session import check_spark_environment, driver_java_options, print_error, use_warehouse
 from txn_core.config import Config, ConfigError, load_config
 from txn_core.vocabulary import CANCEL, Action, Source
 
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         # An object store is checked before the lease or Spark: exit 2 names what is wrong.
         use_warehouse(None, cfg)
-        spark_log_level()
+        check_spark_environment()
         return _COMMANDS[args.command](args, cfg)
     except ConfigError as exc:
         return _fail(EXIT_USAGE, f"bad configuration: {exc}")

@@ -134,9 +134,9 @@ def build_spark(
     if active is not None:
         return active
     builder = SparkSession.builder.appName(app_name)
-    submitted = "SPARK_SUBMIT_ARGS" not in os.environ and _under_spark_submit()
+    submitted = _submitted()
     if not submitted:
-        builder = builder.master(master or os.environ.get("TXN_SPARK_MASTER", "local[2]"))
+        builder = builder.master(spark_master(master))
         jars = resolved_jars()
         builder = (
             builder.config("spark.jars", ",".join(jars))
@@ -172,8 +172,41 @@ def spark_log_level() -> str:
     return level.upper()
 
 
+def check_spark_environment() -> None:
+    """The `TXN_SPARK_*` variables a session will read, checked before any
+    JVM starts: ConfigError naming the one Spark would refuse late."""
+    spark_log_level()
+    if not _submitted():
+        spark_master()
+
+
+def spark_master(master: str | None = None) -> str:
+    """`master`, else `TXN_SPARK_MASTER`, else local[2] (an empty variable
+    counts as unset, as in scripts/submit.sh); ConfigError for one Spark
+    does not take, which it reported as a Java stack trace.
+
+    >>> spark_master("spark://head:7077")
+    'spark://head:7077'
+    """
+    from txn_core.config import ConfigError
+
+    chosen = master or os.environ.get("TXN_SPARK_MASTER") or "local[2]"
+    if chosen != "yarn" and not chosen.startswith(("local", "spark://", "k8s://")):
+        source = "the Spark master" if master else "TXN_SPARK_MASTER"
+        raise ConfigError(
+            f"{source} must be local, local[N], spark://host:port, yarn or k8s://...; "
+            f"got {chosen!r}"
+        )
+    return chosen
+
+
+def _submitted() -> bool:
+    """Whether this process is spark-submit's driver (its master is spark-submit's)."""
+    return "SPARK_SUBMIT_ARGS" not in os.environ and _under_spark_submit()
+
+
 def _is_local(master: str | None) -> bool:
-    return (master or os.environ.get("TXN_SPARK_MASTER", "local[2]")).startswith("local")
+    return spark_master(master).startswith("local")
 
 
 def _started(builder: Any, *, local: bool) -> Any:

@@ -18,6 +18,7 @@ from deltalake.exceptions import CommitFailedError, DeltaError
 from jobs import job_tables, run_log
 from jobs.lease import Lease, LeaseHeld, LeaseLost
 from jobs.reconcile import main, reconcile
+from jobs.session import spark_master
 from schemas import HALF, LEASE, RUNS, table_path
 from txn_core import log_trim
 from txn_core.config import ConfigError
@@ -229,6 +230,15 @@ def test_the_command_line_refuses_before_spark_what_spark_would_refuse_late(
     monkeypatch.setenv("TXN_SPARK_LOG_LEVEL", "WARNING")
     assert main(["run", "--warehouse", wh]) == 2
     assert "TXN_SPARK_LOG_LEVEL must be one of ALL, DEBUG" in capsys.readouterr().err
+    monkeypatch.delenv("TXN_SPARK_LOG_LEVEL")
+    # a master Spark refuses: exit 1 and a Java stack trace that did not name the variable
+    monkeypatch.setenv("TXN_SPARK_MASTER", "bogus")
+    assert main(["status", "--warehouse", wh]) == 2
+    assert "TXN_SPARK_MASTER must be local, local[N], spark://host:port, yarn or k8s://...; " in (
+        capsys.readouterr().err
+    )
+    monkeypatch.setenv("TXN_SPARK_MASTER", "")  # unset, as scripts/submit.sh takes it
+    assert spark_master() == "local[2]"
     assert not os.path.exists(wh)
 
 
