@@ -164,6 +164,8 @@ def _spark(*, short_lived: bool = False):
 
 def _cmd_run(args, cfg: Config) -> int:
     check_now_ms(args.now_ms, int(time.time() * 1000), "--now-ms")  # before the lease
+    if args.dry_run:  # as `status`: on a mistyped path it would print an all-clear run
+        _require_warehouse(cfg)
     if args.every is not None or args.max_runs is not None:
         return _run_continuously(args, cfg)
     # The lease comes before Spark starts, so an overlapping run exits 75 in a second.
@@ -309,6 +311,11 @@ def _require_warehouse(cfg: Config) -> None:
         )
 
 
+def _require_id(value: str, flag: str) -> None:
+    if not value.strip():
+        raise ConfigError(f"{flag} must name a message: got {value!r}")
+
+
 def _cmd_status(args, cfg: Config) -> int:
     from jobs.status import status
 
@@ -332,6 +339,7 @@ def _cmd_verify(args, cfg: Config) -> int:
 def _cmd_resolve(args, cfg: Config) -> int:
     from txn_core import Broker
 
+    _require_id(args.transaction_id, "--transaction-id")
     _require_warehouse(cfg)
     broker = Broker.open(cfg)
     try:
@@ -355,6 +363,7 @@ def _cmd_resolve(args, cfg: Config) -> int:
 def _cmd_cancel(args, cfg: Config) -> int:
     from txn_core import Broker
 
+    _require_id(args.msg_id, "--msg-id")
     _require_warehouse(cfg)
     broker = Broker.open(cfg)
     try:

@@ -209,12 +209,17 @@ def test_commands_on_a_warehouse_nobody_used_exit_2_and_make_nothing(tmp_path, c
         ["verify"],
         ["resolve", "--transaction-id", "x", "--commit"],
         ["cancel", "--msg-id", "x"],
+        ["run", "--dry-run"],  # printed an all-clear run, exit 0
     ):
         assert main([*args, "--warehouse", wh]) == 2, args
         assert f"no warehouse at {wh} (it has no _sys/half and no _sys/runs)" in (
             capsys.readouterr().err
         )
     assert not os.path.exists(wh)
+    # an empty id is a bad argument (exit 2), as a missing one is
+    for args in (["resolve", "--transaction-id", "", "--commit"], ["cancel", "--msg-id", " "]):
+        assert main([*args, "--warehouse", wh]) == 2, args
+        assert "must name a message" in capsys.readouterr().err
 
 
 def test_the_command_line_refuses_before_spark_what_spark_would_refuse_late(
