@@ -118,6 +118,11 @@ class Counters:
             _commits_of_delayed=_where(
                 f"outcome = '{OpOutcome.WIN}' AND action = '{Action.COMMIT}' AND due_ms IS NOT NULL"
             ),
+            # an operator's COMMIT of a discarded message, whose delay is not kept
+            _commits_after_discard=_where(
+                f"outcome = '{OpOutcome.WIN}' AND action = '{Action.COMMIT}' "
+                "AND coalesce(discarded, false)"
+            ),
             _unknown_offset_ops=_where(f"reason = '{T.UNKNOWN_OFFSET}'"),
             # a win decides its message; only one discarded before is not live
             _wins_on_live=_where(f"outcome = '{OpOutcome.WIN}' AND NOT coalesce(discarded, false)"),

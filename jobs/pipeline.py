@@ -235,8 +235,10 @@ def compute(
     won_ops = T.winners(classified)
     won_now, won_later = T.split_won(won_ops, rules)
     later["withheld"] = 0
-    if prior is not None and observed["_commits_of_delayed"] > observed["_commits_later"]:
-        # committed at or after the time of a message cancelled while pending
+    commits_now_of_delayed = observed["_commits_of_delayed"] > observed["_commits_later"]
+    if prior is not None and (commits_now_of_delayed or observed["_commits_after_discard"]):
+        # committed at or after the time of a message cancelled while pending,
+        # or by an operator after it was discarded (its delay is not kept)
         kept = cancels.drop_cancelled_commits(won_now, prior)
         later["withheld"] = won_now.count() - kept.count()
         won_now = kept

@@ -81,6 +81,18 @@ def last_run(warehouse: str) -> RunRecord | None:
     return RunRecord.from_row(rows[0])
 
 
+def last_committed_run(warehouse: str, last: RunRecord | None) -> RunRecord | None:
+    """`last` (`last_run`) when it committed, else the COMMITTED record of
+    the run before it (an interrupted run's state is not yet the warehouse's)."""
+    from txn_core.tables import latest_run_rows
+
+    if last is None or last.status == RunStatus.COMMITTED:
+        return last
+    rows = latest_run_rows(warehouse, run_number=last.run_number - 1)
+    committed = [r for r in rows if r["status"] == RunStatus.COMMITTED]
+    return RunRecord.from_row(committed[0]) if committed else None
+
+
 def write_run_record(warehouse: str, record: RunRecord, lease: Lease | None = None) -> None:
     """Append one row to `_sys/runs`, tagged like the run's other commits and
     fenced by the run's `lease` like them (`jobs.fence`): a run that lost its

@@ -85,29 +85,37 @@ def status(spark, config: Config | dict, now_ms: int | None = None) -> StatusRep
 
 
 def _scheduled(spark, wh: str, last: run_log.RunRecord | None) -> dict:
-    """The scheduled set after the last committed run: the rows of
-    `_sys/scheduled` due after its watermark (a scan of what waits: an
-    operator's look, not a run's)."""
+    """The scheduled set after the last committed run (the one before an
+    interrupted run): the rows of `_sys/scheduled` it had written, due after
+    its watermark and not cancelled (a scan of what waits: an operator's
+    look, not a run's)."""
     path = table_path(wh, SCHEDULED)
-    if last is None or last.status != RunStatus.COMMITTED or not job_tables.is_delta(path):
+    committed = run_log.last_committed_run(wh, last)
+    if committed is None or not job_tables.is_delta(path):
         return {}
-    summary = run_log.decode_json(last.summary_json)
+    summary = run_log.decode_json(committed.summary_json)
     if not summary.get("scheduled_after"):
         return {}
     waiting = (
         spark.read.format("delta")
         .load(path)
-        .where(F.col("due_ms") > F.lit(summary.get("watermark_ms", last.now_ms)))
+        .where(F.col("due_ms") > F.lit(summary.get("watermark_ms", committed.now_ms)))
+        .where(F.col("run_number") <= F.lit(committed.run_number))
     )
     cancelled = table_path(wh, CANCELLED)
     if job_tables.is_delta(cancelled):
-        dropped = spark.read.format("delta").load(cancelled).select("half_offset")
-        waiting = waiting.join(dropped, "half_offset", "left_anti")
-    rows = waiting.groupBy("topic").agg(F.count(F.lit(1)).alias("n"))
-    by_topic = {r["topic"]: r["n"] for r in rows.orderBy("topic").collect()}
+        dropped = spark.read.format("delta").load(cancelled)
+        if last is not None and last.status != RunStatus.COMMITTED:
+            dropped = dropped.where(F.col("run_id") != F.lit(last.run_id))
+        waiting = waiting.join(dropped.select("half_offset"), "half_offset", "left_anti")
+    # the summary's next_scheduled_ms counts cancelled messages too (a run
+    # does not read the cancels of what waits): the rows left say it
+    rows = waiting.groupBy("topic").agg(F.count(F.lit(1)).alias("n"), F.min("due_ms").alias("next"))
+    counted = rows.orderBy("topic").collect()
+    by_topic = {r["topic"]: r["n"] for r in counted}
     return {
         "scheduled": sum(by_topic.values()),
-        "next_scheduled_ms": summary.get("next_scheduled_ms"),
+        "next_scheduled_ms": min((r["next"] for r in counted), default=None),
         "scheduled_by_topic": by_topic,
     }
 

@@ -826,8 +826,10 @@ def _in_one_task(side: DataFrame) -> DataFrame:
 
 def deliveries(settled: DataFrame, rules: Rules) -> DataFrame:
     """TOPIC rows (plus `topic`) of `settled` (queue positions joined
-    `with_bodies`)."""
-    rows = _replaced(settled, delivered_ms=rules.now_sql, run_id=sql_string(rules.run_id))
+    `with_bodies`), `delivered_ms` the run's watermark."""
+    # the watermark: the run's clock, or the latest of all runs' when this
+    # one's went back (it delivers what is due by then)
+    rows = _replaced(settled, delivered_ms=rules.watermark_sql, run_id=sql_string(rules.run_id))
     return conform(rows, TOPIC, "topic")
 
 

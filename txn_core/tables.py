@@ -274,10 +274,15 @@ def vacuum_every_run_table(
 
 
 def latest_run_rows(
-    warehouse: str, columns: list[str] | None = None, storage_options: dict[str, str] | None = None
+    warehouse: str,
+    columns: list[str] | None = None,
+    storage_options: dict[str, str] | None = None,
+    *,
+    run_number: int | None = None,
 ) -> list[dict[str, Any]]:
     """The `_sys/runs` rows (STARTED and/or COMMITTED) of the highest run
-    number, read with delta-rs; [] before the job's first run.
+    number, or of `run_number`, read with delta-rs; [] before the job's
+    first run (or when that run has no row).
 
     The files' statistics give the highest run_number and prune the scan to
     the files that may hold it: the cost stays flat while `_sys/runs` grows
@@ -289,21 +294,26 @@ def latest_run_rows(
     except TableNotFoundError:
         return []
     try:
-        return _latest_run_rows(table, columns)
+        return _latest_run_rows(table, columns, run_number)
     finally:
         kept_tables.give_back(table)
 
 
-def _latest_run_rows(table: DeltaTable, columns: list[str] | None) -> list[dict[str, Any]]:
+def _latest_run_rows(
+    table: DeltaTable, columns: list[str] | None, top: int | None
+) -> list[dict[str, Any]]:
     files = pa.table(table.get_add_actions(flatten=True))
     if files.num_rows == 0:
         return []
-    if "max.run_number" in files.column_names and files["max.run_number"].null_count == 0:
+    stats = "max.run_number" in files.column_names and files["max.run_number"].null_count == 0
+    if top is None and stats:
         top = pc.max(files["max.run_number"]).as_py()
+    if stats:
         runs = table.to_pyarrow_dataset(file_pruning_predicate=[("run_number", "=", top)])
     else:  # files without statistics: read the column
         runs = table.to_pyarrow_dataset()
-        top = pc.max(runs.to_table(columns=["run_number"])["run_number"]).as_py()
+        if top is None:
+            top = pc.max(runs.to_table(columns=["run_number"])["run_number"]).as_py()
     if top is None:
         return []
     rows: list[dict[str, Any]] = runs.to_table(

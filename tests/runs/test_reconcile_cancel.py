@@ -154,6 +154,35 @@ def test_cancelled_delayed_messages_are_never_delivered_and_late_cancels_are_rej
     assert verify(spark, cfg).differences_by_kind.get("delivered_cancelled") == 1
 
 
+def test_a_message_cancelled_while_pending_stays_undelivered_after_a_discard(spark, warehouse):
+    """An operator's COMMIT of a discarded message delivers it at once (its
+    delay is not kept): it delivered a message cancelled while it was
+    pending, which no cancelled message may be."""
+    cfg = {"warehouse": warehouse, "check_max": 0}
+    soon = fx.half(store_ms=T0, deliver_at_ms=T0 + 20_000)
+    later = fx.half(store_ms=T0, deliver_at_ms=T0 + 600_000)
+    fx.write_halves(warehouse, soon, later)
+    reconcile(spark, cfg, now_ms=T0 + 1_000)
+    fx.write_ops(
+        warehouse, *[fx.op(h, CANCEL, source="ADMIN", store_ms=T0 + 1_500) for h in (soon, later)]
+    )
+    assert reconcile(spark, cfg, now_ms=T0 + 2_000).cancelled == 2
+    assert reconcile(spark, cfg, now_ms=T0 + 7_000).discarded_max_checks == 2
+    fx.write_ops(warehouse, fx.op(later, source="ADMIN", store_ms=T0 + 8_000))
+    first = reconcile(spark, cfg, now_ms=T0 + 9_000)  # before its time
+    fx.write_ops(warehouse, fx.op(soon, source="ADMIN", store_ms=T0 + 30_000))
+    second = reconcile(spark, cfg, now_ms=T0 + 31_000)  # after it
+    assert (first.committed, second.committed) == (0, 0)  # each was delivered: 1 and 1
+    assert not DeltaTable.is_deltatable(topic_path(warehouse, "ORDER"))
+    resolved = DeltaTable(table_path(warehouse, RESOLVED)).to_pyarrow_table().to_pylist()
+    # each COMMIT wins all the same, and resolves its message
+    assert sorted((r["half_offset"], r["action"]) for r in resolved) == sorted(
+        (h["half_offset"], "COMMIT") for h in (soon, later)
+    )
+    report = verify(spark, cfg)
+    assert report.ok, report.render()
+
+
 def _cancel_runs(spark, warehouse: str, crash: dict[int, str], monkeypatch) -> list:
     """Run 1 schedules a plain timer and holds two delayed transactional
     messages pending; run 2 reads a cancel of each (one in the same run as

@@ -5,6 +5,8 @@ after every message due earlier; idle runs stay idle until the first is due."""
 
 from __future__ import annotations
 
+import time
+
 import pyarrow.compute as pc
 from deltalake import DeltaTable, write_deltalake
 
@@ -350,3 +352,58 @@ def test_the_job_upkeep_drops_past_scheduled_rows_merges_small_files_and_the_res
     assert [b for b, _, _ in _queue(warehouse)] == [b"body-60", b"body-62", b"body-61"]
     report = verify(spark, cfg)
     assert report.ok, report.render()
+
+
+def test_a_run_whose_clock_went_back_delivers_at_the_watermark(spark, warehouse):
+    """The watermark never goes back, so a run whose clock did delivers what
+    is due by the watermark: stamped with its clock, those messages read as
+    delivered before their time, and `verify` failed the warehouse."""
+    cfg = {"warehouse": warehouse}
+    fx.write_halves(warehouse, fx.half(store_ms=T0, message_type="NORMAL"))
+    assert reconcile(spark, cfg, now_ms=T0 + 100_000).watermark_ms == T0 + 100_000
+    plain = fx.half(store_ms=T0 + 10_000, message_type="NORMAL", deliver_at_ms=T0 + 50_000)
+    txn = fx.half(store_ms=T0 + 10_000, deliver_at_ms=T0 + 60_000)
+    fx.write_halves(warehouse, plain, txn)
+    fx.write_ops(warehouse, fx.op(txn, store_ms=T0 + 11_000))
+    back = reconcile(spark, cfg, now_ms=T0 + 20_000)
+    assert (back.watermark_ms, back.committed) == (T0 + 100_000, 2)
+    assert [d for _, _, d in _queue(warehouse)] == [T0 + 100_000] * 3
+    report = verify(spark, cfg)
+    assert report.ok, report.render()
+
+
+def test_status_shows_the_committed_scheduled_set_without_cancels_or_an_interrupted_run(
+    spark, warehouse, monkeypatch
+):
+    """`status` showed the next due time of a cancelled message (the run's
+    summary counts them), and nothing scheduled at all while a run was
+    interrupted."""
+    from jobs.faults import InjectedFault
+    from jobs.reconcile import recover
+
+    cfg = {"warehouse": warehouse}
+    clock = Clock(T0)
+    with Broker.open(Config(warehouse=warehouse), clock=clock) as broker:
+        producer = Producer(broker, "order_group")
+        first = producer.send(Message(topic="ORDER", body=b"60s", delay_ms=60_000))
+        reconcile(spark, cfg, now_ms=T0)
+        clock.now = T0 + 1_000
+        producer.send(Message(topic="PAY", body=b"90s", delay_ms=90_000))
+        monkeypatch.setenv("TXN_FAULT_AT", "after:_sys/scheduled")  # its row written, not committed
+        try:
+            reconcile(spark, cfg, now_ms=T0 + 2_000)
+        except InjectedFault:
+            pass
+        monkeypatch.delenv("TXN_FAULT_AT")
+        shown = status(spark, cfg, now_ms=T0 + 2_000)
+        assert shown.interrupted
+        assert (shown.scheduled, shown.next_scheduled_ms) == (1, T0 + 60_000)
+        assert shown.scheduled_by_topic == {"ORDER": 1}
+
+        assert recover(spark, cfg, clock=lambda: time.time() + 3600) is not None  # lease lapsed
+        assert reconcile(spark, cfg, now_ms=T0 + 3_000).scheduled_after == 2
+        broker.cancel(first.msg_id)
+        assert reconcile(spark, cfg, now_ms=T0 + 4_000).cancelled == 1
+    shown = status(spark, cfg, now_ms=T0 + 4_000)
+    assert (shown.scheduled, shown.next_scheduled_ms) == (1, T0 + 91_000)
+    assert shown.scheduled_by_topic == {"PAY": 1}
