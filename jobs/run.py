@@ -178,10 +178,11 @@ def _locked_run(spark, cfg: Config, now_ms: int | None, lease: Lease) -> RunSumm
         # attempt: the writes it made are skipped, the others done.
         last = _execute(spark, cfg, last, lease, redo=True).record
         redone = last.run_id
+    started = time.time()
     intent = _new_intent(spark, wh, last, cfg, now_ms)
     lease.keep_alive()
     if _nothing_to_do(last, intent):
-        summary = _record_idle_run(wh, last, intent, lease)
+        summary = _record_idle_run(wh, last, intent, lease, started)
     else:
         run_log.write_run_record(wh, intent, lease)
         fault_point("after_intent")
@@ -274,11 +275,12 @@ def _pending_after(last: run_log.RunRecord | None) -> int | None:
 
 
 def _record_idle_run(
-    wh: str, last: run_log.RunRecord, intent: run_log.RunRecord, lease: Lease
+    wh: str, last: run_log.RunRecord, intent: run_log.RunRecord, lease: Lease, started: float
 ) -> RunSummary:
     """The run record of a run with nothing to do, written as one COMMITTED
-    row: with no other write there is nothing for an intent to make atomic."""
-    started = time.time()
+    row: with no other write there is nothing for an intent to make atomic.
+    Its duration runs from `started`, before its inputs were looked at (the
+    work an idle run does), to the record (which cannot time its own commit)."""
     prev = last.counters
     carried = run_log.decode_json(last.summary_json)
     oldest = prev.get("oldest_pending_age_ms")

@@ -19,6 +19,16 @@ set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${PYTHON:-python3}"
+# A master spark-submit would refuse with a Java stack trace: one line naming it, exit 2.
+(cd "$repo" && "$python" -c '
+import sys
+from jobs.session import spark_master
+from txn_core.config import ConfigError
+try:
+    spark_master()
+except ConfigError as exc:
+    sys.exit(f"submit.sh: bad configuration: {exc}")
+') || exit 2
 spark_bin="$("$python" -c 'import os, pyspark; print(os.path.join(os.path.dirname(pyspark.__file__), "bin"))')"
 # The jars' coordinates come from jobs/session.py, so there is one place to bump
 # them: Delta's, and s3a's when the warehouse is on S3.

@@ -77,6 +77,7 @@ def test_runs_follow_each_other_each_with_its_record_under_one_lease(spark, ware
         (1, 0, False),
         (0, 0, True),  # nothing new and nothing due: no Spark job, one run record
     ]
+    assert summaries[2].duration_ms > 0  # looking at its inputs, which an idle run's 0 left out
     assert _delivered(warehouse) == sorted(
         [first[0]["half_offset"], first[1]["half_offset"], later["half_offset"]]
     )

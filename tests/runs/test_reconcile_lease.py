@@ -265,6 +265,20 @@ def test_submit_sh_passes_help_and_a_flag_without_its_value_to_the_job():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage: txn-reconcile run" in done.stdout
+    # a master spark-submit refuses: exit 1 and a Java stack trace, the variable unnamed
+    refused = subprocess.run(
+        ["bash", os.path.join(REPO, "scripts", "submit.sh"), "run"],
+        cwd=REPO,
+        env={**os.environ, "TXN_SPARK_MASTER": "bogus"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert refused.stderr == (
+        "submit.sh: bad configuration: TXN_SPARK_MASTER must be local, local[N], "
+        "spark://host:port, yarn or k8s://...; got 'bogus'\n"
+    )
 
 
 @pytest.mark.parametrize("signals", ["term", "term-twice"])
