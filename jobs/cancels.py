@@ -168,13 +168,15 @@ def _cancelled_row(r: dict, rules: T.Rules) -> tuple:
 def _waiting(
     spark: SparkSession, wh: str, versions: dict[str, int], keys: list[int], rules: T.Rules
 ) -> dict[int, dict]:
-    """The scheduled rows of `keys` still waiting after the run's watermark
-    (their identity and due time): the files whose due_ms range ends at or
-    before it are skipped by their statistics."""
+    """The scheduled rows of `keys` still waiting after the previous run's
+    watermark (their identity and due time): those due by this run's are
+    among them, so that their cancels are late as already due, not unknown
+    or delivered. The files whose due_ms range ends at or before it are
+    skipped by their statistics."""
     scheduled = inputs.read_state(spark, wh, versions, SCHEDULED)
     found = (
         scheduled.where(
-            (F.col("due_ms") > F.lit(rules.watermark_ms)) & F.col("half_offset").isin(keys)
+            (F.col("due_ms") > F.lit(rules.prev_watermark_ms)) & F.col("half_offset").isin(keys)
         )
         .select("half_offset", "transaction_id", "producer_group", "topic", "queue_id", "due_ms")
         .collect()

@@ -183,6 +183,26 @@ def test_a_message_cancelled_while_pending_stays_undelivered_after_a_discard(spa
     assert report.ok, report.render()
 
 
+def test_a_cancel_read_by_the_run_its_message_falls_due_in_is_late_as_already_due(spark, warehouse):
+    """Such a cancel was rejected as naming an unknown message (a plain one,
+    counted as invalid) or one already delivered (a transactional one)."""
+    cfg = {"warehouse": warehouse}
+    plain = fx.half(store_ms=T0, message_type="NORMAL", deliver_at_ms=T0 + 5_000)
+    txn = fx.half(store_ms=T0, deliver_at_ms=T0 + 5_000)
+    fx.write_halves(warehouse, plain, txn)
+    fx.write_ops(warehouse, fx.op(txn, store_ms=T0 + 2_500))
+    assert reconcile(spark, cfg, now_ms=T0 + 3_000).scheduled_after == 2
+    cancels = [fx.op(h, CANCEL, source="ADMIN", store_ms=T0 + 5_500) for h in (plain, txn)]
+    fx.write_ops(warehouse, *cancels)
+    due = reconcile(spark, cfg, now_ms=T0 + 6_000)
+    assert (due.delivered_scheduled, due.late_ops, due.invalid_ops) == (2, 2, 0)
+    assert _rejected_ops(warehouse) == {
+        c["op_offset"]: "LATE: message already due" for c in cancels
+    }
+    report = verify(spark, cfg)
+    assert report.ok, report.render()
+
+
 def _cancel_runs(spark, warehouse: str, crash: dict[int, str], monkeypatch) -> list:
     """Run 1 schedules a plain timer and holds two delayed transactional
     messages pending; run 2 reads a cancel of each (one in the same run as
