@@ -135,6 +135,13 @@ class Rules:
     def watermark_sql(self) -> str:
         return sql_run_value(self.watermark_ms)
 
+    @property
+    def delivered_sql(self) -> str:
+        """SQL: the clock a delivery is stamped with, the watermark (the run's
+        clock, or the latest of all runs' when this one's went back: it
+        delivers what is due by then)."""
+        return sql_run_value(max(self.now_ms, self.watermark_ms))
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
@@ -827,9 +834,7 @@ def _in_one_task(side: DataFrame) -> DataFrame:
 def deliveries(settled: DataFrame, rules: Rules) -> DataFrame:
     """TOPIC rows (plus `topic`) of `settled` (queue positions joined
     `with_bodies`), `delivered_ms` the run's watermark."""
-    # the watermark: the run's clock, or the latest of all runs' when this
-    # one's went back (it delivers what is due by then)
-    rows = _replaced(settled, delivered_ms=rules.watermark_sql, run_id=sql_string(rules.run_id))
+    rows = _replaced(settled, delivered_ms=rules.delivered_sql, run_id=sql_string(rules.run_id))
     return conform(rows, TOPIC, "topic")
 
 

@@ -633,11 +633,13 @@ class Consumer:
         >>> consumer.poll(100, timeout_s=5.0)   # [] only after 5 s of nothing  # doctest: +SKIP
         """
         max_messages = _positive_int(max_messages, "max_messages")
-        deadline = self._clock() + _wait_seconds(timeout_s, "timeout_s")
+        timeout = _wait_seconds(timeout_s, "timeout_s")
+        deadline = self._clock() + timeout
         while True:
             polled = self._poll(max_messages, skip=())
             remaining = deadline - self._clock()
-            if polled or remaining <= 0:
+            # no timeout: one look, whatever a clock stepping back during it says
+            if polled or timeout == 0 or remaining <= 0:
                 return polled
             self._sleep(min(self._poll_interval_s, remaining))
 

@@ -223,6 +223,20 @@ def test_a_poll_with_a_timeout_gives_up_at_it_and_heartbeats_while_it_waits(ware
     assert consumer.assignment() == [0]
 
 
+def test_a_poll_without_a_timeout_looks_once_even_if_the_clock_steps_back(warehouse):
+    clock = Clock()
+
+    def stepping_back() -> float:
+        clock.advance(-1.0)  # an NTP step: each reading earlier than the last
+        return clock.now
+
+    def never(seconds: float) -> None:
+        raise AssertionError(f"a poll without a timeout waited {seconds} s")
+
+    consumer = Consumer(warehouse, GROUP, "ORDER", clock=stepping_back, sleep=never)
+    assert consumer.poll(10) == []
+
+
 @pytest.mark.parametrize(
     "timeout_s, problem",
     [

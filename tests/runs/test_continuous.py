@@ -93,19 +93,19 @@ def test_a_bad_cadence_or_run_count_is_refused_before_the_lease(spark, warehouse
     assert reconcile_forever(spark, {"warehouse": warehouse}, 1, max_runs=0) == 0
 
 
-def test_the_last_of_max_runs_ends_the_loop_without_waiting_out_a_cadence(spark, warehouse):
+def test_the_last_of_max_runs_ends_the_loop_without_waiting_out_a_cadence(
+    spark, warehouse, monkeypatch
+):
     """It waited one more cadence after its last run, holding the lease:
     `--every 1h --max-runs 1` an hour, and a cron run meanwhile exited 75."""
-    stop = threading.Event()
-    rescue = threading.Timer(60, stop.set)  # ends the wait the bug made (an hour) anyway
-    rescue.start()
-    try:
-        runs = reconcile_forever(
-            spark, {"warehouse": warehouse}, 3600, max_runs=1, stop=stop, clock=lambda: T / 1000
-        )
-    finally:
-        rescue.cancel()
-    assert runs == 1 and not stop.is_set()
+    from jobs import continuous
+
+    waits: list[float] = []
+    monkeypatch.setattr(continuous, "_wait", lambda stop, seconds, lease: waits.append(seconds))
+    runs = reconcile_forever(
+        spark, {"warehouse": warehouse}, 3600, max_runs=2, clock=lambda: T / 1000
+    )
+    assert runs == 2 and len(waits) == 1  # between the two runs only
     assert Lease(warehouse, 600).current().action == "RELEASE"
 
 
