@@ -94,15 +94,15 @@ NOW_MS_AHEAD_MAX_MS = 366 * 86_400_000
 _INT64_MAX = 2**63 - 1
 
 
-def check_now_ms(now_ms: object, wall_ms: int | None, name: str = "now_ms") -> int | None:
-    """`now_ms` (None: the wall clock's, later), refused (ConfigError naming
+def check_now_ms(now_ms: object, wall_ms: int | None, name: str = "now_ms") -> None:
+    """`now_ms` (None: the wall clock's, later) refused (ConfigError naming
     `name`) unless an integer from 0 to 2^63-1 and, given the wall clock
     `wall_ms` (a run's), at most a year after it: a run's clock becomes the
     warehouse's watermark, which never goes back, so one run far in the
     future would make every later run take delayed messages for due and
     pending ones for expired, for good."""
     if now_ms is None:
-        return None
+        return
     if not isinstance(now_ms, int) or isinstance(now_ms, bool) or not 0 <= now_ms <= _INT64_MAX:
         raise ConfigError(f"{name} must be an integer from 0 to 2^63-1 (ms); got {now_ms!r}")
     if wall_ms is not None and now_ms > wall_ms + NOW_MS_AHEAD_MAX_MS:
@@ -112,7 +112,6 @@ def check_now_ms(now_ms: object, wall_ms: int | None, name: str = "now_ms") -> i
             "later run would deliver delayed messages at once and expire pending ones; check "
             "the value (milliseconds since the epoch)"
         )
-    return now_ms
 
 
 def reconcile(

@@ -24,13 +24,13 @@ from deltalake.exceptions import DeltaError
 from schemas import HALF, OP, TableSchema, table_path
 from schemas.arrow import arrow_schema
 from txn_core import forks
-from txn_core.config import Config, absolute_warehouse
+from txn_core.config import Config
 from txn_core.errors import BrokerClosedError, PersistError
 from txn_core.group_commit import AFTER_STAMP, Columns, DirectWriter, GroupCommitWriter, WriterStats
 from txn_core.log_trim import job_cursor
 from txn_core.message import Message, delivery_times, validate_group, validate_text
 from txn_core.offsets import OffsetAllocator, register_epoch
-from txn_core.storage import Storage, options_for, storage_for, use
+from txn_core.storage import options_for, resolve_warehouse
 from txn_core.tables import ensure_broker_tables
 from txn_core.vocabulary import CANCEL, Action, MessageType, Source
 
@@ -134,15 +134,10 @@ class Broker:
             config, warehouse = warehouse, warehouse.warehouse
         if config is None:
             config = Config(warehouse=warehouse)
-            # the settings of a registered warehouse holding it, else the
-            # defaults; the warehouse itself is the one named, prefix and all
-            storage = storage_for(config.warehouse)
-        else:
-            storage = Storage.from_config(config)
-        storage = replace(storage, warehouse=absolute_warehouse(warehouse))
-        warehouse = storage.warehouse
-        if storage_options is None:
-            use(storage)
+            named: str | Config = warehouse
+        else:  # its settings, for the warehouse named
+            named = replace(config, warehouse=warehouse)
+        warehouse, _ = resolve_warehouse(named, storage_options, check=True)
         storage_options = options_for(warehouse, storage_options)
         tables = ensure_broker_tables(warehouse, storage_options=storage_options)
         return cls(warehouse, tables, config, clock or wall_clock_ms, storage_options, group_commit)

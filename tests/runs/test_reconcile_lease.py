@@ -242,6 +242,9 @@ def test_the_command_line_refuses_before_spark_what_spark_would_refuse_late(
     assert "TXN_SPARK_MASTER must be local, local[N], spark://host:port, yarn or k8s://...; " in (
         capsys.readouterr().err
     )
+    # resolve and cancel start no Spark: the master is not theirs to refuse
+    assert main(["cancel", "--msg-id", "x", "--warehouse", wh]) == 2
+    assert "no warehouse at" in capsys.readouterr().err
     monkeypatch.setenv("TXN_SPARK_MASTER", "")  # unset, as scripts/submit.sh takes it
     assert spark_master() == "local[2]"
     assert not os.path.exists(wh)
